@@ -1,0 +1,2 @@
+//! warmroute: a session-affinity router for LLM inference backends.
+pub mod config;
