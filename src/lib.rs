@@ -1,2 +1,20 @@
 //! warmroute: a session-affinity router for LLM inference backends.
+//!
+//! Map, in lifecycle order: `config` turns the server and route files into a validated
+//! `Config`; `snapshot` binds it to the shared segment's slots; `worker` runs one monoio
+//! runtime per core with its listeners; `pipeline` is the request lifecycle (dispatch,
+//! body, peer selection, forwarding, relay) built on the pure `http` codec; `upstream`
+//! pools peer connections per worker; `admin` answers the endpoints the router serves
+//! itself; `limits` holds every fixed bound.
+pub mod admin;
 pub mod config;
+pub mod demo;
+pub mod http;
+pub mod limits;
+pub mod pipeline;
+pub mod server;
+pub mod snapshot;
+pub mod status;
+pub mod upstream;
+pub mod util;
+pub mod worker;

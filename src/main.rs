@@ -1,1 +1,287 @@
-fn main() {}
+//! Command line: parse arguments, set up logging, run the chosen subcommand. Signals are
+//! handled here, on the main thread, which is never on the data path.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
+use warmroute::server::{ConfigSource, Overrides, Router};
+use warmroute::worker::AccessLogTarget;
+
+const USAGE: &str = "\
+warmroute — session-affinity router for LLM inference backends
+
+USAGE:
+    warmroute [serve] [OPTIONS]      run the router (default)
+    warmroute check [--config PATH]  validate the server file, route files and key file
+    warmroute demo [--listen ADDR] [--admin-listen ADDR]
+                                     three in-process mock engines + the router, no files needed
+    warmroute status [--config PATH | --shm PATH]
+                                     print peers, in-flight and bans from a running router's segment
+    warmroute bodylog-listen --listen ADDR --dir DIR
+
+OPTIONS (serve):
+    --config PATH          server file (default: none, all defaults; routes from ./routes)
+    --workers N            worker threads (default: cores in the affinity mask)
+    --listen ADDR          public address (overrides the server file)
+    --admin-listen ADDR    admin address (overrides the server file)
+    --shm PATH             shared segment path (overrides the server file)
+    --takeover             share the ports with a running warmroute that this one replaces
+    --no-pin               do not pin workers to cores
+    --access-log TARGET    stderr (default), off, or a file path
+    --log-format FORMAT    text (default) or json
+";
+
+struct Args {
+    cmd: String,
+    config: Option<PathBuf>,
+    overrides: Overrides,
+    log_json: bool,
+    dir: Option<PathBuf>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut it = std::env::args().skip(1).peekable();
+    let cmd = match it.peek() {
+        Some(s) if !s.starts_with('-') => it.next().unwrap_or_default(),
+        _ => "serve".to_string(),
+    };
+    let mut a = Args {
+        cmd,
+        config: None,
+        overrides: Overrides::default(),
+        log_json: false,
+        dir: None,
+    };
+    while let Some(flag) = it.next() {
+        let mut val = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value"));
+        let addr = |s: String, name: &str| {
+            s.parse::<SocketAddr>()
+                .map_err(|e| format!("{name}: {e}: {s:?}"))
+        };
+        match flag.as_str() {
+            "--config" | "-c" => a.config = Some(PathBuf::from(val("--config")?)),
+            "--workers" => {
+                a.overrides.workers = Some(
+                    val("--workers")?
+                        .parse()
+                        .map_err(|_| "--workers needs a number".to_string())?,
+                )
+            }
+            "--listen" => a.overrides.listen = Some(addr(val("--listen")?, "--listen")?),
+            "--admin-listen" => {
+                a.overrides.admin_listen = Some(addr(val("--admin-listen")?, "--admin-listen")?)
+            }
+            "--shm" => a.overrides.shm_path = Some(PathBuf::from(val("--shm")?)),
+            "--dir" => a.dir = Some(PathBuf::from(val("--dir")?)),
+            "--takeover" => a.overrides.takeover = true,
+            "--no-pin" => a.overrides.no_pin = true,
+            "--access-log" => {
+                a.overrides.access_log = Some(match val("--access-log")?.as_str() {
+                    "off" => AccessLogTarget::Off,
+                    "stderr" => AccessLogTarget::Stderr,
+                    p => AccessLogTarget::File(PathBuf::from(p)),
+                })
+            }
+            "--log-format" => match val("--log-format")?.as_str() {
+                "json" => a.log_json = true,
+                "text" => a.log_json = false,
+                other => {
+                    return Err(format!(
+                        "--log-format: expected text or json, got {other:?}"
+                    ))
+                }
+            },
+            "-h" | "--help" => {
+                print!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    Ok(a)
+}
+
+fn init_logging(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("WARMROUTE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        b.json().init();
+    } else {
+        b.init();
+    }
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("warmroute: {e}\n\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    init_logging(args.log_json);
+    match args.cmd.as_str() {
+        "serve" => serve(ConfigSource::Files(args.config), args.overrides),
+        "check" => check(args.config),
+        "demo" => demo(args.overrides),
+        "status" => status(args.config, args.overrides.shm_path),
+        "bodylog-listen" => {
+            let _ = args.dir;
+            eprintln!("warmroute bodylog-listen: body logging is not built yet");
+            ExitCode::from(2)
+        }
+        other => {
+            eprintln!("warmroute: unknown command {other:?}\n\n{USAGE}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn check(config: Option<PathBuf>) -> ExitCode {
+    match warmroute::config::load(config.as_deref()) {
+        Ok(c) => {
+            for w in &c.warnings {
+                println!("warning: {w}");
+            }
+            for e in &c.soft_errors {
+                println!("error: {e}");
+            }
+            if c.soft_errors.is_empty() {
+                println!(
+                    "ok: {} route(s): {}",
+                    c.routes.len(),
+                    c.routes
+                        .iter()
+                        .map(|r| r.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+                ExitCode::SUCCESS
+            } else {
+                println!("{} error(s)", c.soft_errors.len());
+                ExitCode::FAILURE
+            }
+        }
+        Err(errs) => {
+            for e in &errs {
+                println!("error: {e}");
+            }
+            println!("{} error(s)", errs.len());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn status(config: Option<PathBuf>, shm: Option<PathBuf>) -> ExitCode {
+    let path = match shm {
+        Some(p) => p,
+        None => match warmroute::config::load(config.as_deref()) {
+            Ok(c) => c.server.shm_path.clone(),
+            Err(errs) => {
+                for e in errs {
+                    eprintln!("error: {e}");
+                }
+                return ExitCode::FAILURE;
+            }
+        },
+    };
+    match warmroute::status::render(&path) {
+        Ok(s) => {
+            print!("{s}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("warmroute status: {}: {e}", path.display());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn serve(source: ConfigSource, overrides: Overrides) -> ExitCode {
+    let signals = match signal_hook::iterator::Signals::new([SIGHUP, SIGINT, SIGQUIT, SIGTERM]) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("warmroute: cannot install signal handlers: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let router = match Router::start(source, overrides) {
+        Ok(r) => r,
+        Err(e) => {
+            eprint!("warmroute: cannot start:\n{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    run_until_signalled(router, signals)
+}
+
+fn run_until_signalled(
+    mut router: Router,
+    mut signals: signal_hook::iterator::Signals,
+) -> ExitCode {
+    let drain_default = Duration::from_secs(router.config.server.drain_timeout_s);
+    for sig in signals.forever() {
+        match sig {
+            SIGHUP => {
+                if let Err(errs) = router.reload() {
+                    for e in &errs {
+                        tracing::error!("reload refused: {e}");
+                    }
+                    tracing::error!(
+                        errors = errs.len(),
+                        "reload refused; the running configuration stays"
+                    );
+                }
+            }
+            SIGINT => {
+                tracing::info!("SIGINT: draining (5 s limit)");
+                router.shutdown(Duration::from_secs(5));
+                return ExitCode::SUCCESS;
+            }
+            _ => {
+                tracing::info!(timeout_s = drain_default.as_secs(), "draining");
+                router.shutdown(drain_default);
+                return ExitCode::SUCCESS;
+            }
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+fn demo(overrides: Overrides) -> ExitCode {
+    let signals = match signal_hook::iterator::Signals::new([SIGHUP, SIGINT, SIGQUIT, SIGTERM]) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("warmroute: cannot install signal handlers: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let listen = overrides
+        .listen
+        .unwrap_or_else(|| "127.0.0.1:8080".parse().expect("literal"));
+    let admin = overrides
+        .admin_listen
+        .unwrap_or_else(|| "127.0.0.1:8090".parse().expect("literal"));
+    let d = match warmroute::demo::start(listen, admin, overrides) {
+        Ok(d) => d,
+        Err(e) => {
+            eprint!("warmroute demo: cannot start:\n{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!(
+        "{}",
+        warmroute::demo::curl_lines(d.router.public_addr(), d.router.admin_addr())
+    );
+    let code = run_until_signalled(d.router, signals);
+    for m in d.mocks {
+        m.shutdown();
+    }
+    code
+}

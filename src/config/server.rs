@@ -1,0 +1,274 @@
+//! The server file (`warmroute.toml`) → `ServerConfig`.
+//!
+//! Contract: reads a parsed TOML table and the two environment overrides handed in by the
+//! caller; touches no file. Every key has a default, so an absent file is an empty table.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use super::catalog::{self, OptKind};
+use super::value::{self, join, Diag};
+
+/// Server-wide values for route options declared `ServerDefault` in the catalog.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerDefaults {
+    /// Post-processing handler for routes that name none ("" = none).
+    pub postprocess: String,
+    pub load_rate_limit: bool,
+    pub adaptive_cc_hold_when_idle: bool,
+    pub session_affinity: bool,
+}
+
+impl Default for ServerDefaults {
+    fn default() -> Self {
+        ServerDefaults {
+            postprocess: String::new(),
+            load_rate_limit: true,
+            adaptive_cc_hold_when_idle: true,
+            session_affinity: true,
+        }
+    }
+}
+
+/// The validated server file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub admin_listen: SocketAddr,
+    /// 0 = one per usable core.
+    pub workers: usize,
+    /// As written, or resolved to an absolute path by `load`.
+    pub routes_dir: PathBuf,
+    pub shm_path: PathBuf,
+    pub api_keys_file: Option<PathBuf>,
+    /// No route's `max_body_size` may exceed it.
+    pub max_body_size_ceiling: u64,
+    pub drain_timeout_s: u64,
+    /// Keep-alive idle timeout toward clients.
+    pub client_idle_timeout_ms: u64,
+    /// Time allowed to receive a complete request head.
+    pub client_head_timeout_ms: u64,
+    /// Lifetime of an idle pooled upstream connection.
+    pub upstream_idle_timeout_ms: u64,
+    /// Most idle pooled connections per peer per worker.
+    pub upstream_idle_per_peer: usize,
+    pub defaults: ServerDefaults,
+    /// Body-log listener `host:port`; `None` = body logging off.
+    pub bodylog_listener: Option<String>,
+}
+
+pub const DEFAULT_LISTEN: &str = "0.0.0.0:8080";
+pub const DEFAULT_ADMIN_LISTEN: &str = "0.0.0.0:8090";
+pub const DEFAULT_MAX_BODY_SIZE_CEILING: u64 = 200 * 1024 * 1024;
+/// Environment variable that replaces `api_keys_file`.
+pub const ENV_API_KEYS_FILE: &str = "WARMROUTE_API_KEYS_FILE";
+/// Environment variable that replaces `[bodylog] listener`.
+pub const ENV_BODYLOG_LISTENER: &str = "BODYLOG_LISTENER_HOST";
+
+fn default_shm_path(listen: &SocketAddr) -> PathBuf {
+    PathBuf::from(format!("/dev/shm/warmroute-{}", listen.port()))
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        let listen: SocketAddr = DEFAULT_LISTEN
+            .parse()
+            .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 8080)));
+        ServerConfig {
+            listen,
+            admin_listen: DEFAULT_ADMIN_LISTEN
+                .parse()
+                .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 8090))),
+            workers: 0,
+            routes_dir: PathBuf::from("routes"),
+            shm_path: default_shm_path(&listen),
+            api_keys_file: None,
+            max_body_size_ceiling: DEFAULT_MAX_BODY_SIZE_CEILING,
+            drain_timeout_s: 300,
+            client_idle_timeout_ms: 75_000,
+            client_head_timeout_ms: 30_000,
+            upstream_idle_timeout_ms: 60_000,
+            upstream_idle_per_peer: 64,
+            defaults: ServerDefaults::default(),
+            bodylog_listener: None,
+        }
+    }
+}
+
+const MS_MAX: i64 = 86_400_000;
+
+/// Result of reading the server table: the config and whether `routes_dir` was set.
+pub(crate) struct ParsedServer {
+    pub config: ServerConfig,
+    pub routes_dir_set: bool,
+}
+
+/// Reads the server table. `env` looks up an environment variable.
+pub(crate) fn parse_server(
+    table: &toml::Table,
+    env: &dyn Fn(&str) -> Option<String>,
+    d: &mut Diag,
+) -> ParsedServer {
+    let mut c = ServerConfig::default();
+    let mut shm_set = false;
+    let mut routes_dir_set = false;
+    for (key, v) in table {
+        let k = key.as_str();
+        match k {
+            "listen" | "admin_listen" => {
+                if let Some(s) = value::string(v, k, d) {
+                    match s.parse::<SocketAddr>() {
+                        Ok(a) if k == "listen" => c.listen = a,
+                        Ok(a) => c.admin_listen = a,
+                        Err(_) => d.error(
+                            k,
+                            format!("{s:?} is not an address:port such as \"0.0.0.0:8080\""),
+                        ),
+                    }
+                }
+            }
+            "workers" => {
+                if let Some(n) = value::integer(v, 0, 4096, k, d) {
+                    c.workers = usize::try_from(n).unwrap_or(0);
+                }
+            }
+            "routes_dir" | "shm_path" | "api_keys_file" => {
+                let Some(s) = value::string(v, k, d) else {
+                    continue;
+                };
+                if s.trim().is_empty() {
+                    d.error(k, "must not be empty");
+                    continue;
+                }
+                match k {
+                    "routes_dir" => {
+                        c.routes_dir = PathBuf::from(s);
+                        routes_dir_set = true;
+                    }
+                    "shm_path" => {
+                        c.shm_path = PathBuf::from(s);
+                        shm_set = true;
+                    }
+                    _ => c.api_keys_file = Some(PathBuf::from(s)),
+                }
+            }
+            "max_body_size_ceiling" => {
+                if let Some(n) = value::size(v, k, d) {
+                    if n == 0 {
+                        d.error(k, "must be greater than 0");
+                    } else {
+                        c.max_body_size_ceiling = n;
+                    }
+                }
+            }
+            "drain_timeout_s" => {
+                if let Some(n) = value::integer(v, 0, 86_400, k, d) {
+                    c.drain_timeout_s = u64::try_from(n).unwrap_or(0);
+                }
+            }
+            "client_idle_timeout_ms" | "client_head_timeout_ms" | "upstream_idle_timeout_ms" => {
+                if let Some(n) = value::integer(v, 1, MS_MAX, k, d) {
+                    let n = u64::try_from(n).unwrap_or(1);
+                    match k {
+                        "client_idle_timeout_ms" => c.client_idle_timeout_ms = n,
+                        "client_head_timeout_ms" => c.client_head_timeout_ms = n,
+                        _ => c.upstream_idle_timeout_ms = n,
+                    }
+                }
+            }
+            "upstream_idle_per_peer" => {
+                if let Some(n) = value::integer(v, 0, 65_536, k, d) {
+                    c.upstream_idle_per_peer = usize::try_from(n).unwrap_or(0);
+                }
+            }
+            "defaults" => {
+                if let Some(t) = value::table(v, k, d) {
+                    parse_defaults(t, &mut c.defaults, d);
+                }
+            }
+            "bodylog" => {
+                let Some(t) = value::table(v, k, d) else {
+                    continue;
+                };
+                for (bk, bv) in t {
+                    let f = join("bodylog", bk);
+                    match bk.as_str() {
+                        "listener" => {
+                            if let Some(s) = value::string(bv, &f, d) {
+                                c.bodylog_listener = listener(&s, &f, d);
+                            }
+                        }
+                        _ => d.error(&f, "unknown key (expected listener)"),
+                    }
+                }
+            }
+            _ => d.error(k, "unknown key"),
+        }
+    }
+    if !shm_set {
+        c.shm_path = default_shm_path(&c.listen);
+    }
+    if c.listen == c.admin_listen && c.listen.port() != 0 {
+        d.error(
+            "admin_listen",
+            format!("{} is also the public listen address", c.admin_listen),
+        );
+    }
+    if let Some(path) = env(ENV_API_KEYS_FILE).filter(|p| !p.trim().is_empty()) {
+        c.api_keys_file = Some(PathBuf::from(path));
+    }
+    if let Some(host) = env(ENV_BODYLOG_LISTENER).filter(|h| !h.trim().is_empty()) {
+        let mut envd = Diag::new("(environment)");
+        c.bodylog_listener = listener(&host, ENV_BODYLOG_LISTENER, &mut envd);
+        d.errors.append(&mut envd.errors);
+    }
+    ParsedServer {
+        config: c,
+        routes_dir_set,
+    }
+}
+
+/// A body-log listener address: "" = off, else `host:port`.
+fn listener(s: &str, field: &str, d: &mut Diag) -> Option<String> {
+    let s = s.trim();
+    if s.is_empty() {
+        return None;
+    }
+    let ok = s
+        .rsplit_once(':')
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0));
+    if ok {
+        Some(s.to_string())
+    } else {
+        d.error(field, format!("{s:?} is not host:port"));
+        None
+    }
+}
+
+fn parse_defaults(t: &toml::Table, out: &mut ServerDefaults, d: &mut Diag) {
+    for (k, v) in t {
+        let f = join("defaults", k);
+        // The same kinds and value lists as the route options these defaults stand for.
+        let kind = catalog::spec(k).map(|s| s.kind);
+        match (k.as_str(), kind) {
+            ("postprocess", Some(OptKind::Enum(allowed))) => {
+                if let Some(s) = value::one_of(v, allowed, &f, d) {
+                    out.postprocess = s;
+                }
+            }
+            ("load_rate_limit" | "adaptive_cc_hold_when_idle" | "session_affinity", _) => {
+                if let Some(b) = value::boolean(v, &f, d) {
+                    match k.as_str() {
+                        "load_rate_limit" => out.load_rate_limit = b,
+                        "adaptive_cc_hold_when_idle" => out.adaptive_cc_hold_when_idle = b,
+                        _ => out.session_affinity = b,
+                    }
+                }
+            }
+            _ => d.error(
+                &f,
+                "unknown key (expected postprocess, load_rate_limit, adaptive_cc_hold_when_idle, session_affinity)",
+            ),
+        }
+    }
+}

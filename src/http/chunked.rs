@@ -1,0 +1,295 @@
+//! Incremental decoder for `Transfer-Encoding: chunked` (RFC 9112 §7.1).
+//!
+//! Fed arbitrary slices of the wire, it hands out the data bytes and says where the
+//! message ends. Extensions and trailers are accepted and discarded. Used both to read
+//! request bodies into memory and to find the end of a chunked response that is relayed
+//! to the client byte for byte.
+
+use crate::limits::{CHUNK_LINE_BYTES_MAX, CHUNK_TRAILER_BYTES_MAX};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkError {
+    /// A size line that is not hex, too long, or overflows u64.
+    BadSize,
+    /// Missing CRLF after a chunk's data or a line.
+    BadDelimiter,
+    /// Trailers beyond the limit.
+    TrailersTooLarge,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Reading hex digits of a size line.
+    Size {
+        digits: u8,
+    },
+    /// After the digits: optional whitespace and `;ext`, up to CR.
+    SizeRest,
+    /// Expecting LF after the size line's CR.
+    SizeLf,
+    /// `n` data bytes remain in this chunk.
+    Data(u64),
+    DataCr,
+    DataLf,
+    /// At the start of a trailer line (or the final empty line).
+    TrailerStart,
+    /// Inside a trailer line.
+    Trailer,
+    TrailerLf {
+        empty: bool,
+    },
+    Done,
+}
+
+/// Decoder state; `Default` starts before the first size line.
+#[derive(Debug, Clone)]
+pub struct ChunkedDecoder {
+    state: State,
+    size: u64,
+    line_bytes: usize,
+    trailer_bytes: usize,
+}
+
+impl Default for ChunkedDecoder {
+    fn default() -> Self {
+        ChunkedDecoder {
+            state: State::Size { digits: 0 },
+            size: 0,
+            line_bytes: 0,
+            trailer_bytes: 0,
+        }
+    }
+}
+
+fn hex(b: u8) -> Option<u64> {
+    match b {
+        b'0'..=b'9' => Some((b - b'0') as u64),
+        b'a'..=b'f' => Some((b - b'a' + 10) as u64),
+        b'A'..=b'F' => Some((b - b'A' + 10) as u64),
+        _ => None,
+    }
+}
+
+impl ChunkedDecoder {
+    pub fn is_done(&self) -> bool {
+        self.state == State::Done
+    }
+
+    /// Consume bytes from `input`, passing each run of body data to `data`. Returns how
+    /// many bytes of `input` belong to this message (less than `input.len()` only when the
+    /// message ended inside it).
+    pub fn feed(
+        &mut self,
+        input: &[u8],
+        data: &mut impl FnMut(&[u8]),
+    ) -> Result<usize, ChunkError> {
+        let mut i = 0;
+        while i < input.len() {
+            let b = input[i];
+            match self.state {
+                State::Size { digits } => {
+                    if let Some(v) = hex(b) {
+                        if digits >= 16 {
+                            return Err(ChunkError::BadSize);
+                        }
+                        self.size = (self.size << 4) | v;
+                        self.state = State::Size { digits: digits + 1 };
+                        self.line_bytes += 1;
+                    } else if digits == 0 {
+                        return Err(ChunkError::BadSize);
+                    } else if b == b'\r' {
+                        self.state = State::SizeLf;
+                    } else if b == b'\n' {
+                        return Err(ChunkError::BadDelimiter);
+                    } else if b == b';' || b == b' ' || b == b'\t' {
+                        self.state = State::SizeRest;
+                        self.line_bytes += 1;
+                    } else {
+                        return Err(ChunkError::BadSize);
+                    }
+                    i += 1;
+                }
+                State::SizeRest => {
+                    if b == b'\r' {
+                        self.state = State::SizeLf;
+                    } else if b == b'\n' {
+                        return Err(ChunkError::BadDelimiter);
+                    } else {
+                        self.line_bytes += 1;
+                        if self.line_bytes > CHUNK_LINE_BYTES_MAX {
+                            return Err(ChunkError::BadSize);
+                        }
+                    }
+                    i += 1;
+                }
+                State::SizeLf => {
+                    if b != b'\n' {
+                        return Err(ChunkError::BadDelimiter);
+                    }
+                    i += 1;
+                    self.line_bytes = 0;
+                    self.state = if self.size == 0 {
+                        State::TrailerStart
+                    } else {
+                        State::Data(self.size)
+                    };
+                    self.size = 0;
+                }
+                State::Data(rem) => {
+                    let avail = (input.len() - i) as u64;
+                    let take = rem.min(avail) as usize;
+                    data(&input[i..i + take]);
+                    i += take;
+                    let left = rem - take as u64;
+                    self.state = if left == 0 {
+                        State::DataCr
+                    } else {
+                        State::Data(left)
+                    };
+                }
+                State::DataCr => {
+                    if b != b'\r' {
+                        return Err(ChunkError::BadDelimiter);
+                    }
+                    i += 1;
+                    self.state = State::DataLf;
+                }
+                State::DataLf => {
+                    if b != b'\n' {
+                        return Err(ChunkError::BadDelimiter);
+                    }
+                    i += 1;
+                    self.state = State::Size { digits: 0 };
+                }
+                State::TrailerStart => {
+                    i += 1;
+                    if b == b'\r' {
+                        self.state = State::TrailerLf { empty: true };
+                    } else {
+                        self.bump_trailer()?;
+                        self.state = State::Trailer;
+                    }
+                }
+                State::Trailer => {
+                    i += 1;
+                    if b == b'\r' {
+                        self.state = State::TrailerLf { empty: false };
+                    } else {
+                        self.bump_trailer()?;
+                    }
+                }
+                State::TrailerLf { empty } => {
+                    if b != b'\n' {
+                        return Err(ChunkError::BadDelimiter);
+                    }
+                    i += 1;
+                    if empty {
+                        self.state = State::Done;
+                        return Ok(i);
+                    }
+                    self.state = State::TrailerStart;
+                }
+                State::Done => return Ok(i),
+            }
+        }
+        Ok(i)
+    }
+
+    fn bump_trailer(&mut self) -> Result<(), ChunkError> {
+        self.trailer_bytes += 1;
+        if self.trailer_bytes > CHUNK_TRAILER_BYTES_MAX {
+            return Err(ChunkError::TrailersTooLarge);
+        }
+        Ok(())
+    }
+}
+
+/// Encode `data` as one chunk into `out`.
+pub fn encode_chunk(data: &[u8], out: &mut Vec<u8>) {
+    use std::io::Write;
+    let _ = write!(out, "{:x}\r\n", data.len());
+    out.extend_from_slice(data);
+    out.extend_from_slice(b"\r\n");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode_all(wire: &[u8], step: usize) -> Result<(Vec<u8>, usize, bool), ChunkError> {
+        let mut d = ChunkedDecoder::default();
+        let mut out = Vec::new();
+        let mut used = 0;
+        for piece in wire.chunks(step.max(1)) {
+            let n = d.feed(piece, &mut |b| out.extend_from_slice(b))?;
+            used += n;
+            if d.is_done() {
+                break;
+            }
+        }
+        Ok((out, used, d.is_done()))
+    }
+
+    #[test]
+    fn decodes_across_every_split() {
+        let wire = b"5;name=val\r\nhello\r\n6\r\n world\r\n0\r\nX-Trailer: 1\r\n\r\nNEXT";
+        for step in 1..wire.len() {
+            let (out, used, done) = decode_all(wire, step).unwrap();
+            assert_eq!(out, b"hello world", "step {step}");
+            assert!(done);
+            assert_eq!(used, wire.len() - 4, "step {step}");
+        }
+    }
+
+    #[test]
+    fn empty_body_and_uppercase_hex() {
+        let (out, used, done) = decode_all(b"0\r\n\r\n", 100).unwrap();
+        assert!(out.is_empty() && done && used == 5);
+        let (out, _, done) = decode_all(b"A\r\n0123456789\r\n0\r\n\r\n", 3).unwrap();
+        assert_eq!(out, b"0123456789");
+        assert!(done);
+    }
+
+    #[test]
+    fn rejects_garbage() {
+        assert_eq!(decode_all(b"zz\r\n", 10).unwrap_err(), ChunkError::BadSize);
+        assert_eq!(decode_all(b"\r\n", 10).unwrap_err(), ChunkError::BadSize);
+        assert_eq!(
+            decode_all(b"3\r\nabcX", 10).unwrap_err(),
+            ChunkError::BadDelimiter
+        );
+        assert_eq!(
+            decode_all(b"3\nabc", 10).unwrap_err(),
+            ChunkError::BadDelimiter
+        );
+        assert_eq!(
+            decode_all(b"11111111111111111\r\n", 10).unwrap_err(),
+            ChunkError::BadSize
+        );
+        let mut big = b"0\r\n".to_vec();
+        big.extend(std::iter::repeat_n(b'a', CHUNK_TRAILER_BYTES_MAX + 1));
+        assert_eq!(
+            decode_all(&big, 1000).unwrap_err(),
+            ChunkError::TrailersTooLarge
+        );
+    }
+
+    #[test]
+    fn incomplete_is_not_done() {
+        let (out, used, done) = decode_all(b"5\r\nhel", 2).unwrap();
+        assert_eq!(out, b"hel");
+        assert_eq!(used, 6);
+        assert!(!done);
+    }
+
+    #[test]
+    fn encode_roundtrip() {
+        let mut wire = Vec::new();
+        encode_chunk(b"abc", &mut wire);
+        encode_chunk(&[7u8; 300], &mut wire);
+        wire.extend_from_slice(b"0\r\n\r\n");
+        let (out, _, done) = decode_all(&wire, 7).unwrap();
+        assert!(done);
+        assert_eq!(out.len(), 303);
+    }
+}

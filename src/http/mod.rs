@@ -1,0 +1,18 @@
+//! HTTP/1.1 framing, pure: bytes in, decisions out, no IO.
+//!
+//! Reads request and response heads with `httparse`, decides how each message body is
+//! framed (RFC 9112 §6), decodes chunked bodies incrementally and writes heads. Everything
+//! here takes byte slices and returns values or errors; the IO shells live in `worker` and
+//! `pipeline`. Client and peer bytes never panic this module: every malformed input is an
+//! error value. Fuzzed by `fuzz/fuzz_targets/h1_*`.
+
+mod chunked;
+mod head;
+mod write;
+
+pub use chunked::{encode_chunk, ChunkError, ChunkedDecoder};
+pub use head::{
+    parse_request, parse_response, BodyFraming, HeadError, HeadParse, Headers, RequestHead,
+    ResponseFraming, ResponseHead,
+};
+pub use write::{is_hop_by_hop, status_reason, write_header};

@@ -1,0 +1,283 @@
+//! The client side of a connection: reading heads and bodies, writing responses, and
+//! watching for the client going away while the peer works.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::Poll;
+use std::time::Duration;
+
+use bytes::Bytes;
+use monoio::buf::IoBufMut;
+use monoio::io::{AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt, OwnedReadHalf, OwnedWriteHalf};
+use monoio::net::TcpStream;
+use monoio::BufResult;
+
+use crate::http::{self, BodyFraming, ChunkedDecoder, HeadParse, RequestHead};
+use crate::limits::CLIENT_READ_BUF_BYTES;
+
+use super::error_response::ProxyError;
+
+pub struct ClientConn {
+    pub rd: OwnedReadHalf<TcpStream>,
+    pub wr: OwnedWriteHalf<TcpStream>,
+    /// Bytes received and not yet consumed (the start of the next head, pipelined requests).
+    pub inbuf: Vec<u8>,
+    pub addr: SocketAddr,
+}
+
+/// What waiting for a request head produced.
+pub enum HeadRead {
+    Head(RequestHead),
+    /// Clean end: EOF between requests, idle timeout, or drain.
+    Closed,
+    /// A refusal to send before closing (malformed head, too large, timeout mid-head).
+    Refuse(ProxyError),
+}
+
+impl ClientConn {
+    /// Read more bytes, appending to `inbuf`. Ok(0) = EOF.
+    async fn fill(&mut self) -> std::io::Result<usize> {
+        if self.inbuf.capacity() - self.inbuf.len() < 1024 {
+            self.inbuf.reserve(CLIENT_READ_BUF_BYTES);
+        }
+        let buf = std::mem::take(&mut self.inbuf);
+        let len = buf.len();
+        let cap = buf.capacity();
+        let (res, slice) = self.rd.read(buf.slice_mut(len..cap)).await;
+        self.inbuf = slice.into_inner();
+        res
+    }
+
+    /// Wait for the next request head. `idle` bounds the wait for its first byte,
+    /// `head_timeout` the time to receive the rest.
+    pub async fn read_head(
+        &mut self,
+        idle: Duration,
+        head_timeout: Duration,
+        drain: &crate::worker::LocalNotify,
+    ) -> HeadRead {
+        let mut started = !self.inbuf.is_empty();
+        let mut deadline = None;
+        loop {
+            if !self.inbuf.is_empty() {
+                match http::parse_request(&self.inbuf) {
+                    Ok(HeadParse::Complete(head, used)) => {
+                        self.inbuf.drain(..used);
+                        return HeadRead::Head(head);
+                    }
+                    Ok(HeadParse::Partial) => {}
+                    Err(e) => return HeadRead::Refuse(ProxyError::BadRequestHead(e)),
+                }
+            }
+            let wait = if started {
+                let d =
+                    *deadline.get_or_insert_with(|| monoio::time::Instant::now() + head_timeout);
+                d.saturating_duration_since(monoio::time::Instant::now())
+            } else {
+                idle
+            };
+            let read = monoio::time::timeout(wait, self.fill());
+            let r = if started {
+                read.await
+            } else {
+                // Between requests a draining worker closes idle connections at once.
+                match crate::util::race(read, drain.wait()).await {
+                    crate::util::Either::Left(r) => r,
+                    crate::util::Either::Right(()) => return HeadRead::Closed,
+                }
+            };
+            match r {
+                Err(_elapsed) if started => return HeadRead::Refuse(ProxyError::HeadTimeout),
+                Err(_elapsed) => return HeadRead::Closed,
+                Ok(Ok(0)) | Ok(Err(_)) => return HeadRead::Closed,
+                Ok(Ok(_)) => started = true,
+            }
+        }
+    }
+
+    /// Read the request body into memory, refusing bodies over `max_bytes` (413) before
+    /// reading them when the length is announced. Answers `Expect: 100-continue`.
+    pub async fn read_body(
+        &mut self,
+        head: &RequestHead,
+        max_bytes: u64,
+        read_timeout: Duration,
+    ) -> Result<Bytes, ProxyError> {
+        match head.body {
+            BodyFraming::None => Ok(Bytes::new()),
+            BodyFraming::Length(n) => {
+                if n > max_bytes {
+                    return Err(ProxyError::BodyTooLarge { limit: max_bytes });
+                }
+                let n = n as usize;
+                if head.expect_continue && self.inbuf.len() < n {
+                    self.write_all_bytes(b"HTTP/1.1 100 Continue\r\n\r\n".to_vec())
+                        .await?;
+                }
+                if self.inbuf.len() >= n {
+                    let rest = self.inbuf.split_off(n);
+                    let body = std::mem::replace(&mut self.inbuf, rest);
+                    return Ok(Bytes::from(body));
+                }
+                // Take what is buffered and read the rest straight into the body.
+                let mut body = std::mem::take(&mut self.inbuf);
+                body.reserve_exact(n - body.len());
+                while body.len() < n {
+                    let len = body.len();
+                    let (res, slice) = match monoio::time::timeout(
+                        read_timeout,
+                        self.rd.read(body.slice_mut(len..n)),
+                    )
+                    .await
+                    {
+                        Ok(r) => r,
+                        Err(_) => return Err(ProxyError::BodyTimeout),
+                    };
+                    body = slice.into_inner();
+                    match res {
+                        Ok(0) | Err(_) => return Err(ProxyError::ClientGone),
+                        Ok(_) => {}
+                    }
+                }
+                Ok(Bytes::from(body))
+            }
+            BodyFraming::Chunked => {
+                if head.expect_continue {
+                    self.write_all_bytes(b"HTTP/1.1 100 Continue\r\n\r\n".to_vec())
+                        .await?;
+                }
+                let mut dec = ChunkedDecoder::default();
+                let mut body = Vec::new();
+                let mut over = false;
+                loop {
+                    if !self.inbuf.is_empty() {
+                        let used = dec
+                            .feed(&self.inbuf, &mut |d| {
+                                if body.len() as u64 + d.len() as u64 > max_bytes {
+                                    over = true;
+                                } else {
+                                    body.extend_from_slice(d);
+                                }
+                            })
+                            .map_err(|_| ProxyError::BadChunkedBody)?;
+                        self.inbuf.drain(..used);
+                        if over {
+                            return Err(ProxyError::BodyTooLarge { limit: max_bytes });
+                        }
+                        if dec.is_done() {
+                            return Ok(Bytes::from(body));
+                        }
+                    }
+                    match monoio::time::timeout(read_timeout, self.fill()).await {
+                        Err(_) => return Err(ProxyError::BodyTimeout),
+                        Ok(Ok(0)) | Ok(Err(_)) => return Err(ProxyError::ClientGone),
+                        Ok(Ok(_)) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    pub async fn write_all_bytes(&mut self, buf: Vec<u8>) -> Result<Vec<u8>, ProxyError> {
+        write_client(&mut self.wr, buf).await
+    }
+
+    /// Close after a refusal without losing the answer: stop writing, then read and drop
+    /// what the client still sends for a short while, so the kernel does not reset the
+    /// connection (and discard our response) because of unread request bytes.
+    pub async fn linger_close(mut self) {
+        let _ = self.wr.shutdown().await;
+        let deadline = monoio::time::Instant::now() + LINGER;
+        let mut discarded = 0usize;
+        let mut buf = std::mem::take(&mut self.inbuf);
+        while discarded < LINGER_BYTES_MAX {
+            buf.clear();
+            if buf.capacity() < CLIENT_READ_BUF_BYTES {
+                buf.reserve(CLIENT_READ_BUF_BYTES);
+            }
+            match monoio::time::timeout_at(deadline, self.rd.read(buf)).await {
+                Ok((Ok(n), b)) if n > 0 => {
+                    discarded += n;
+                    buf = b;
+                }
+                _ => return,
+            }
+        }
+    }
+}
+
+/// How long a refused connection keeps draining client bytes before closing.
+const LINGER: Duration = Duration::from_secs(2);
+/// Most bytes drained from a refused connection.
+const LINGER_BYTES_MAX: usize = 32 * 1024 * 1024;
+
+/// Write a whole buffer to the client, handing the buffer back for reuse.
+pub async fn write_client(
+    wr: &mut OwnedWriteHalf<TcpStream>,
+    buf: Vec<u8>,
+) -> Result<Vec<u8>, ProxyError> {
+    let (res, buf) = wr.write_all(buf).await;
+    res.map_err(|_| ProxyError::ClientGone)?;
+    Ok(buf)
+}
+
+/// A read on the client kept pending while the peer works: it completes with EOF when
+/// the client goes away (also during a silent prefill), so the upstream can be closed at
+/// once. Pipelined bytes it happens to read are kept and handed back at the end.
+pub struct ClientWatch<'a, F: Future<Output = BufResult<usize, Vec<u8>>>> {
+    fut: Pin<&'a mut F>,
+    done: Option<BufResult<usize, Vec<u8>>>,
+}
+
+/// The client closed its connection (or it failed) while we waited.
+#[derive(Debug)]
+pub struct ClientGone;
+
+impl<'a, F: Future<Output = BufResult<usize, Vec<u8>>>> ClientWatch<'a, F> {
+    pub fn new(fut: Pin<&'a mut F>) -> Self {
+        ClientWatch { fut, done: None }
+    }
+
+    fn gone(&self) -> bool {
+        matches!(&self.done, Some((Ok(0), _)) | Some((Err(_), _)))
+    }
+
+    /// Run `other` to completion unless the client goes away first.
+    pub async fn race<T>(&mut self, other: impl Future<Output = T>) -> Result<T, ClientGone> {
+        if self.gone() {
+            return Err(ClientGone);
+        }
+        let mut other = std::pin::pin!(other);
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(v) = other.as_mut().poll(cx) {
+                return Poll::Ready(Ok(v));
+            }
+            if self.done.is_none() {
+                if let Poll::Ready(r) = self.fut.as_mut().poll(cx) {
+                    self.done = Some(r);
+                    if self.gone() {
+                        return Poll::Ready(Err(ClientGone));
+                    }
+                }
+            }
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Stop watching: cancel the pending read and return any bytes it read.
+    pub async fn finish(mut self, canceller: monoio::io::Canceller) -> Option<Vec<u8>> {
+        let r = match self.done.take() {
+            Some(r) => r,
+            None => {
+                canceller.cancel();
+                self.fut.as_mut().await
+            }
+        };
+        match r {
+            (Ok(n), buf) if n > 0 => Some(buf),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,143 @@
+//! Dispatch: which route a request path names, and what the peer sees as its path.
+//! Pure: takes the path and the route names, no IO.
+
+/// Where a request goes.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Dispatch<'a> {
+    /// Proxy to route `route` with upstream target `/<rest>` (query kept).
+    Proxy { route: &'a str, target: String },
+    /// A route debug endpoint `/<route>/_<name>`.
+    Debug { route: &'a str, endpoint: &'a str },
+    /// A server-wide endpoint (admin port, or `/v1/models` without a route).
+    Server { endpoint: &'a str },
+    /// `/<name>/...` where `<name>` is no route.
+    UnknownRoute { name: &'a str },
+}
+
+/// Split `/<route>/<rest>?query`. `is_route` tells which first segments are routes.
+pub fn resolve<'a>(target: &'a str, is_route: impl Fn(&str) -> bool) -> Dispatch<'a> {
+    let (path, query) = match target.split_once('?') {
+        Some((p, q)) => (p, Some(q)),
+        None => (target, None),
+    };
+    let trimmed = path.strip_prefix('/').unwrap_or(path);
+    let (first, rest) = match trimmed.split_once('/') {
+        Some((f, r)) => (f, r),
+        None => (trimmed, ""),
+    };
+    if is_route(first) {
+        if let Some(ep) = rest.strip_prefix('_') {
+            if !ep.contains('/') {
+                return Dispatch::Debug {
+                    route: first,
+                    endpoint: ep,
+                };
+            }
+        }
+        let mut t = String::with_capacity(rest.len() + 2 + query.map_or(0, |q| q.len() + 1));
+        t.push('/');
+        t.push_str(rest);
+        if let Some(q) = query {
+            t.push('?');
+            t.push_str(q);
+        }
+        return Dispatch::Proxy {
+            route: first,
+            target: t,
+        };
+    }
+    match path {
+        "/healthz" | "/readyz" | "/metrics" | "/_routes" | "/v1/models" => {
+            Dispatch::Server { endpoint: path }
+        }
+        _ => Dispatch::UnknownRoute { name: first },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(t: &str) -> Dispatch<'_> {
+        resolve(t, |n| n == "chat" || n == "v1.x")
+    }
+
+    #[test]
+    fn routes_and_rewrites() {
+        assert_eq!(
+            r("/chat/v1/chat/completions"),
+            Dispatch::Proxy {
+                route: "chat",
+                target: "/v1/chat/completions".into()
+            }
+        );
+        assert_eq!(
+            r("/chat/v1/models?a=1&b=2"),
+            Dispatch::Proxy {
+                route: "chat",
+                target: "/v1/models?a=1&b=2".into()
+            }
+        );
+        assert_eq!(
+            r("/chat"),
+            Dispatch::Proxy {
+                route: "chat",
+                target: "/".into()
+            }
+        );
+        assert_eq!(
+            r("/chat/"),
+            Dispatch::Proxy {
+                route: "chat",
+                target: "/".into()
+            }
+        );
+        assert_eq!(
+            r("/chat?x"),
+            Dispatch::Proxy {
+                route: "chat",
+                target: "/?x".into()
+            }
+        );
+        assert_eq!(
+            r("/v1.x/v1/completions"),
+            Dispatch::Proxy {
+                route: "v1.x",
+                target: "/v1/completions".into()
+            }
+        );
+    }
+
+    #[test]
+    fn debug_server_and_unknown() {
+        assert_eq!(
+            r("/chat/_active_conns"),
+            Dispatch::Debug {
+                route: "chat",
+                endpoint: "active_conns"
+            }
+        );
+        assert_eq!(
+            r("/chat/_active_conns_set?flush=1"),
+            Dispatch::Debug {
+                route: "chat",
+                endpoint: "active_conns_set"
+            }
+        );
+        assert_eq!(
+            r("/chat/_x/y"),
+            Dispatch::Proxy {
+                route: "chat",
+                target: "/_x/y".into()
+            }
+        );
+        assert_eq!(
+            r("/healthz"),
+            Dispatch::Server {
+                endpoint: "/healthz"
+            }
+        );
+        assert_eq!(r("/nope/v1/x"), Dispatch::UnknownRoute { name: "nope" });
+        assert_eq!(r("/"), Dispatch::UnknownRoute { name: "" });
+    }
+}

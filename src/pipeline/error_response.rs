@@ -1,0 +1,199 @@
+//! The one data-plane error type, and the one place that turns it into a status and a
+//! JSON body: `{"error":{"type":..,"message":..,"route":..,...}}`.
+
+use serde_json::{json, Map, Value};
+
+use crate::http::{status_reason, HeadError};
+
+#[derive(Debug)]
+pub enum ProxyError {
+    BadRequestHead(HeadError),
+    HeadTimeout,
+    BodyTimeout,
+    BodyTooLarge { limit: u64 },
+    BadChunkedBody,
+    UnknownRoute { known: Vec<String> },
+    NotFound,
+    NoHealthyPeer,
+    ConnectFailed { peer: String, detail: String },
+    ConnectTimeout { peer: String },
+    UpstreamTimeout { peer: String },
+    BadUpstreamResponse { peer: String, detail: &'static str },
+    UpstreamClosed { peer: String },
+    ClientGone,
+    Forbidden(&'static str),
+    BadParam(String),
+}
+
+impl ProxyError {
+    pub fn status(&self) -> u16 {
+        match self {
+            ProxyError::BadRequestHead(e) => e.status(),
+            ProxyError::HeadTimeout | ProxyError::BodyTimeout => 408,
+            ProxyError::BodyTooLarge { .. } => 413,
+            ProxyError::BadChunkedBody | ProxyError::BadParam(_) => 400,
+            ProxyError::UnknownRoute { .. } | ProxyError::NotFound => 404,
+            ProxyError::NoHealthyPeer => 503,
+            ProxyError::ConnectFailed { .. }
+            | ProxyError::BadUpstreamResponse { .. }
+            | ProxyError::UpstreamClosed { .. } => 502,
+            ProxyError::ConnectTimeout { .. } | ProxyError::UpstreamTimeout { .. } => 504,
+            ProxyError::ClientGone => 499,
+            ProxyError::Forbidden(_) => 403,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            ProxyError::BadRequestHead(HeadError::TooLarge | HeadError::TooManyHeaders) => {
+                "request_header_too_large"
+            }
+            ProxyError::BadRequestHead(_) | ProxyError::BadChunkedBody => "bad_request",
+            ProxyError::HeadTimeout | ProxyError::BodyTimeout => "request_timeout",
+            ProxyError::BodyTooLarge { .. } => "request_too_large",
+            ProxyError::UnknownRoute { .. } => "unknown_route",
+            ProxyError::NotFound => "not_found",
+            ProxyError::NoHealthyPeer => "no_healthy_upstream",
+            ProxyError::ConnectFailed { .. } => "upstream_connect_failed",
+            ProxyError::ConnectTimeout { .. } => "upstream_connect_timeout",
+            ProxyError::UpstreamTimeout { .. } => "upstream_timeout",
+            ProxyError::BadUpstreamResponse { .. } => "bad_upstream_response",
+            ProxyError::UpstreamClosed { .. } => "upstream_closed",
+            ProxyError::ClientGone => "client_gone",
+            ProxyError::Forbidden(_) => "forbidden",
+            ProxyError::BadParam(_) => "bad_parameter",
+        }
+    }
+
+    fn message(&self) -> String {
+        match self {
+            ProxyError::BadRequestHead(e) => e.message().to_string(),
+            ProxyError::HeadTimeout => "request head not received in time".into(),
+            ProxyError::BodyTimeout => "request body not received in time".into(),
+            ProxyError::BodyTooLarge { limit } => {
+                format!("request body exceeds the route's limit of {limit} bytes")
+            }
+            ProxyError::BadChunkedBody => "malformed chunked request body".into(),
+            ProxyError::UnknownRoute { .. } => "no route by that name".into(),
+            ProxyError::NotFound => "not found".into(),
+            ProxyError::NoHealthyPeer => "no healthy upstream in any tier of the pool".into(),
+            ProxyError::ConnectFailed { peer, detail } => {
+                format!("cannot connect to {peer}: {detail}")
+            }
+            ProxyError::ConnectTimeout { peer } => format!("connecting to {peer} timed out"),
+            ProxyError::UpstreamTimeout { peer } => format!("{peer} did not respond in time"),
+            ProxyError::BadUpstreamResponse { peer, detail } => {
+                format!("invalid response from {peer}: {detail}")
+            }
+            ProxyError::UpstreamClosed { peer } => {
+                format!("{peer} closed the connection before responding")
+            }
+            ProxyError::ClientGone => "client closed the connection".into(),
+            ProxyError::Forbidden(m) => (*m).into(),
+            ProxyError::BadParam(m) => m.clone(),
+        }
+    }
+
+    /// Extra headers the status calls for.
+    pub fn headers(&self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            ProxyError::NoHealthyPeer => &[("Retry-After", "5")],
+            _ => &[],
+        }
+    }
+
+    /// Whether the connection must close after this answer (the request's body may not
+    /// have been read, or the head could not be parsed).
+    pub fn closes(&self) -> bool {
+        matches!(
+            self,
+            ProxyError::BadRequestHead(_)
+                | ProxyError::HeadTimeout
+                | ProxyError::BodyTimeout
+                | ProxyError::BodyTooLarge { .. }
+                | ProxyError::BadChunkedBody
+                | ProxyError::ClientGone
+        )
+    }
+
+    pub fn body(&self, route: Option<&str>) -> Value {
+        let mut err = Map::new();
+        err.insert("type".into(), json!(self.kind()));
+        err.insert("message".into(), json!(self.message()));
+        if let Some(r) = route {
+            err.insert("route".into(), json!(r));
+        }
+        match self {
+            ProxyError::UnknownRoute { known } => {
+                err.insert("routes".into(), json!(known));
+            }
+            ProxyError::BodyTooLarge { limit } => {
+                err.insert("limit_bytes".into(), json!(limit));
+            }
+            _ => {}
+        }
+        json!({ "error": Value::Object(err) })
+    }
+}
+
+/// A complete response with a JSON body.
+pub fn json_response(status: u16, body: &Value, extra: &[(&str, &str)], close: bool) -> Vec<u8> {
+    let body = serde_json::to_vec(body).unwrap_or_default();
+    let mut out = Vec::with_capacity(160 + body.len());
+    out.extend_from_slice(format!("HTTP/1.1 {status} {}\r\n", status_reason(status)).as_bytes());
+    out.extend_from_slice(b"Content-Type: application/json\r\n");
+    out.extend_from_slice(format!("Content-Length: {}\r\n", body.len()).as_bytes());
+    for (k, v) in extra {
+        crate::http::write_header(&mut out, k, v.as_bytes());
+    }
+    if close {
+        out.extend_from_slice(b"Connection: close\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(&body);
+    out
+}
+
+/// A complete response with a plain-text body.
+pub fn text_response(status: u16, body: &str, close: bool) -> Vec<u8> {
+    let mut out = format!(
+        "HTTP/1.1 {status} {}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n{}\r\n",
+        status_reason(status),
+        body.len(),
+        if close { "Connection: close\r\n" } else { "" }
+    )
+    .into_bytes();
+    out.extend_from_slice(body.as_bytes());
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes() {
+        let e = ProxyError::UnknownRoute {
+            known: vec!["a".into(), "b".into()],
+        };
+        assert_eq!(e.status(), 404);
+        let b = e.body(None);
+        assert_eq!(b["error"]["type"], "unknown_route");
+        assert_eq!(b["error"]["routes"], json!(["a", "b"]));
+        let r = json_response(
+            503,
+            &ProxyError::NoHealthyPeer.body(Some("r")),
+            ProxyError::NoHealthyPeer.headers(),
+            false,
+        );
+        let s = String::from_utf8(r).unwrap();
+        assert!(s.starts_with("HTTP/1.1 503 Service Unavailable\r\n"));
+        assert!(s.contains("Retry-After: 5\r\n"));
+        assert!(s.contains("\"route\":\"r\""));
+        assert_eq!(
+            ProxyError::BadRequestHead(HeadError::TooLarge).status(),
+            431
+        );
+        assert!(ProxyError::BodyTooLarge { limit: 1 }.closes());
+    }
+}

@@ -1,0 +1,214 @@
+//! The router as a value: load config, open the segment, start the workers, reload,
+//! drain. `main` drives it from the command line and signals; tests and the demo start it
+//! in-process.
+
+use std::io;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use warmroute_shm::{Capacities, Segment};
+
+use crate::config::{self, Config, ConfigError};
+use crate::snapshot::Snapshot;
+use crate::worker::{default_worker_count, AccessLogTarget, StartOptions, Workers};
+
+/// Where the configuration comes from.
+#[derive(Clone, Debug)]
+pub enum ConfigSource {
+    /// A server file (or none: all defaults, routes from `./routes`).
+    Files(Option<PathBuf>),
+    /// Text held in memory (the demo, tests): server TOML and (route name, route TOML).
+    Embedded {
+        server: Option<String>,
+        routes: Vec<(String, String)>,
+    },
+}
+
+impl ConfigSource {
+    pub fn load(&self) -> Result<Config, Vec<ConfigError>> {
+        match self {
+            ConfigSource::Files(p) => config::load(p.as_deref()),
+            ConfigSource::Embedded { server, routes } => {
+                let r: Vec<(&str, &str)> = routes
+                    .iter()
+                    .map(|(a, b)| (a.as_str(), b.as_str()))
+                    .collect();
+                config::load_from_strs(server.as_deref(), &r)
+            }
+        }
+    }
+}
+
+/// Command-line overrides of the server file.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    pub workers: Option<usize>,
+    pub listen: Option<SocketAddr>,
+    pub admin_listen: Option<SocketAddr>,
+    pub shm_path: Option<PathBuf>,
+    pub takeover: bool,
+    pub no_pin: bool,
+    pub access_log: Option<AccessLogTarget>,
+}
+
+pub struct Router {
+    pub workers: Workers,
+    pub seg: Arc<Segment>,
+    source: ConfigSource,
+    overrides: Overrides,
+    generation: u64,
+    pub config: Arc<Config>,
+}
+
+fn apply_overrides(mut c: Config, o: &Overrides) -> Config {
+    if let Some(w) = o.workers {
+        c.server.workers = w;
+    }
+    if let Some(a) = o.listen {
+        c.server.listen = a;
+    }
+    if let Some(a) = o.admin_listen {
+        c.server.admin_listen = a;
+    }
+    if let Some(p) = &o.shm_path {
+        c.server.shm_path = p.clone();
+    }
+    c
+}
+
+/// Startup failure: configuration errors (all of them) or an IO problem.
+#[derive(Debug)]
+pub enum StartError {
+    Config(Vec<ConfigError>),
+    Io(io::Error),
+}
+
+impl std::fmt::Display for StartError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StartError::Config(errs) => {
+                for e in errs {
+                    writeln!(f, "{e}")?;
+                }
+                Ok(())
+            }
+            StartError::Io(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl Router {
+    pub fn start(source: ConfigSource, overrides: Overrides) -> Result<Router, StartError> {
+        let config = source.load().map_err(StartError::Config)?;
+        for w in config.warnings.iter().chain(&config.soft_errors) {
+            tracing::warn!("{w}");
+        }
+        let config = Arc::new(apply_overrides(config, &overrides));
+        let server = &config.server;
+        let seg = Arc::new(
+            Segment::open_or_create(&server.shm_path, Capacities::default()).map_err(|e| {
+                StartError::Io(io::Error::new(
+                    e.kind(),
+                    format!("shared segment {}: {e}", server.shm_path.display()),
+                ))
+            })?,
+        );
+        let reclaimed = seg.reclaim_dead();
+        if reclaimed > 0 {
+            tracing::info!(rows = reclaimed, "reclaimed worker rows of a dead process");
+        }
+        let snapshot = Arc::new(
+            Snapshot::build(config.clone(), &seg, 1)
+                .map_err(|e| StartError::Io(io::Error::other(e)))?,
+        );
+        let workers = match (overrides.workers, server.workers) {
+            (Some(n), _) if n > 0 => n,
+            (_, n) if n > 0 => n,
+            _ => default_worker_count(),
+        };
+        let opts = StartOptions {
+            workers,
+            public: server.listen,
+            admin: server.admin_listen,
+            takeover: overrides.takeover,
+            pin: !overrides.no_pin,
+            access_log: overrides
+                .access_log
+                .clone()
+                .unwrap_or(AccessLogTarget::Stderr),
+        };
+        let workers = Workers::start(opts, snapshot, seg.clone()).map_err(StartError::Io)?;
+        tracing::info!(
+            public = %workers.shared.public_addr,
+            admin = %workers.shared.admin_addr,
+            workers = workers.shared.workers_total,
+            routes = config.routes.len(),
+            "warmroute listening"
+        );
+        Ok(Router {
+            workers,
+            seg,
+            source,
+            overrides,
+            generation: 1,
+            config,
+        })
+    }
+
+    pub fn public_addr(&self) -> SocketAddr {
+        self.workers.shared.public_addr
+    }
+
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.workers.shared.admin_addr
+    }
+
+    /// Re-read and validate everything; on any error keep the running config. Listener
+    /// and segment settings need a restart (or a takeover) and are kept as they are.
+    pub fn reload(&mut self) -> Result<(), Vec<ConfigError>> {
+        let fresh = self.source.load()?;
+        for w in fresh.warnings.iter().chain(&fresh.soft_errors) {
+            tracing::warn!("{w}");
+        }
+        let mut fresh = apply_overrides(fresh, &self.overrides);
+        let old = &self.config.server;
+        if fresh.server.listen != old.listen
+            || fresh.server.admin_listen != old.admin_listen
+            || fresh.server.shm_path != old.shm_path
+        {
+            tracing::warn!("listen addresses and shm_path change only on restart or takeover; keeping the running ones");
+            fresh.server.listen = old.listen;
+            fresh.server.admin_listen = old.admin_listen;
+            fresh.server.shm_path = old.shm_path.clone();
+        }
+        let fresh = Arc::new(fresh);
+        let snap = Snapshot::build(fresh.clone(), &self.seg, self.generation + 1).map_err(|e| {
+            vec![ConfigError {
+                file: PathBuf::from("(segment)"),
+                field: "peers".into(),
+                message: e,
+            }]
+        })?;
+        self.generation += 1;
+        self.config = fresh;
+        self.workers.publish(Arc::new(snap));
+        tracing::info!(
+            generation = self.generation,
+            routes = self.config.routes.len(),
+            "configuration reloaded"
+        );
+        Ok(())
+    }
+
+    pub fn drain(&self, timeout: Duration) {
+        self.workers.drain(timeout);
+    }
+
+    /// Drain and wait for every worker to stop.
+    pub fn shutdown(self, timeout: Duration) {
+        self.workers.drain(timeout);
+        self.workers.join();
+    }
+}

@@ -1,0 +1,164 @@
+//! The immutable view a worker serves from: validated config plus the segment slots of
+//! every route and peer.
+//!
+//! Built once per (re)load on the main thread, sent to every worker as an `Arc`, swapped
+//! by each worker between requests. A request keeps the `Arc` it started with, so a reload
+//! never changes a request in flight. Slots are keyed by route, pool and peer address, so a
+//! peer that survives a reload keeps its in-flight count, bans and counters.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use warmroute_shm::{PeerSlot, RouteSlot, Segment};
+
+use crate::config::{Config, RouteConfig};
+
+/// One backend of one pool, as the data path needs it.
+#[derive(Debug)]
+pub struct PeerRt {
+    pub name: String,
+    pub addr: SocketAddr,
+    /// `Host` header value sent to this peer.
+    pub host_header: String,
+    pub priority: i32,
+    pub max_concurrency: u32,
+    pub slot: PeerSlot,
+}
+
+/// A pool: the flat `peers` list, or one `peers_by_model` entry.
+#[derive(Debug)]
+pub struct PoolRt {
+    pub model: Option<String>,
+    pub peers: Vec<PeerRt>,
+}
+
+/// A route with its pools and slots.
+#[derive(Debug)]
+pub struct RouteRt {
+    pub cfg: Arc<RouteConfig>,
+    pub slot: RouteSlot,
+    pub pools: Vec<PoolRt>,
+}
+
+impl RouteRt {
+    pub fn name(&self) -> &str {
+        &self.cfg.name
+    }
+
+    /// Every peer of every pool.
+    pub fn all_peers(&self) -> impl Iterator<Item = &PeerRt> {
+        self.pools.iter().flat_map(|p| p.peers.iter())
+    }
+}
+
+/// Everything a worker reads to serve requests.
+#[derive(Debug)]
+pub struct Snapshot {
+    pub config: Arc<Config>,
+    pub routes: Vec<Arc<RouteRt>>,
+    by_name: HashMap<String, usize>,
+    pub generation: u64,
+}
+
+/// The segment key of a peer slot: route, pool and address. Keys longer than the segment
+/// allows are shortened to a prefix plus a checksum of the whole key.
+pub fn peer_key(route: &str, model: Option<&str>, addr: SocketAddr) -> String {
+    let key = format!("{route}/{}/{addr}", model.unwrap_or(""));
+    shorten_key(key)
+}
+
+fn shorten_key(key: String) -> String {
+    const MAX: usize = 119;
+    if key.len() <= MAX {
+        return key;
+    }
+    let sum = crc32fast::hash(key.as_bytes());
+    let mut cut = MAX - 9;
+    while !key.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}#{sum:08x}", &key[..cut])
+}
+
+impl Snapshot {
+    /// Resolve every route and peer to its segment slot.
+    pub fn build(config: Arc<Config>, seg: &Segment, generation: u64) -> Result<Snapshot, String> {
+        let mut routes = Vec::with_capacity(config.routes.len());
+        let mut by_name = HashMap::with_capacity(config.routes.len());
+        for rc in &config.routes {
+            let slot = seg
+                .route_slot(&shorten_key(rc.name.clone()))
+                .ok_or_else(|| format!("shared segment has no free route slot for {}", rc.name))?;
+            let mut pools = Vec::with_capacity(rc.pools.len());
+            for pool in &rc.pools {
+                let mut peers = Vec::with_capacity(pool.peers.len());
+                for p in &pool.peers {
+                    let key = peer_key(&rc.name, pool.model.as_deref(), p.addr);
+                    let slot = seg
+                        .peer_slot(&key)
+                        .ok_or_else(|| format!("shared segment has no free peer slot for {key}"))?;
+                    peers.push(PeerRt {
+                        name: p.name.clone(),
+                        addr: p.addr,
+                        host_header: if p.port == 80 {
+                            p.host.clone()
+                        } else {
+                            format!("{}:{}", p.host, p.port)
+                        },
+                        priority: p.priority,
+                        max_concurrency: p.max_concurrency,
+                        slot,
+                    });
+                }
+                pools.push(PoolRt {
+                    model: pool.model.clone(),
+                    peers,
+                });
+            }
+            by_name.insert(rc.name.clone(), routes.len());
+            routes.push(Arc::new(RouteRt {
+                cfg: rc.clone(),
+                slot,
+                pools,
+            }));
+        }
+        Ok(Snapshot {
+            config,
+            routes,
+            by_name,
+            generation,
+        })
+    }
+
+    pub fn route(&self, name: &str) -> Option<&Arc<RouteRt>> {
+        self.by_name.get(name).map(|&i| &self.routes[i])
+    }
+
+    pub fn route_names(&self) -> Vec<&str> {
+        self.routes.iter().map(|r| r.name()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_keys_are_shortened_but_distinct() {
+        let a = peer_key(
+            &"r".repeat(100),
+            Some(&"m".repeat(50)),
+            "127.0.0.1:1".parse().unwrap(),
+        );
+        let b = peer_key(
+            &"r".repeat(100),
+            Some(&"m".repeat(51)),
+            "127.0.0.1:1".parse().unwrap(),
+        );
+        assert!(a.len() <= 119 && b.len() <= 119);
+        assert_ne!(a, b);
+        let short = peer_key("chat", None, "10.0.0.1:8000".parse().unwrap());
+        assert_eq!(short, "chat//10.0.0.1:8000");
+    }
+}

@@ -1,0 +1,280 @@
+//! Workers: one monoio runtime per pinned core, each with its own SO_REUSEPORT listeners,
+//! upstream pool and config snapshot.
+//!
+//! Reads: the listeners handed over by the main thread, config snapshots from a channel.
+//! Decides: when to stop accepting and when the worker is done draining.
+//! Writes: its own in-flight row and heartbeat in the segment. Never: blocks on another
+//! thread; the only cross-thread traffic is the segment's atomics and the snapshot channel.
+
+mod ctx;
+mod listen;
+mod notify;
+
+use std::io;
+use std::net::{SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use warmroute_shm::Segment;
+
+pub use ctx::{AccessLog, PortKind, WorkerCtx};
+pub use listen::bind_shared;
+pub use notify::LocalNotify;
+
+use crate::snapshot::Snapshot;
+use crate::util::{race, Either};
+
+/// How often each worker looks at the snapshot channel, the drain flag and its heartbeat.
+const TICK: Duration = Duration::from_millis(50);
+
+/// State every worker and the main thread share: atomics and the segment only.
+pub struct Shared {
+    pub seg: Arc<Segment>,
+    pub draining: AtomicBool,
+    pub drain_deadline_ms: AtomicU64,
+    pub workers_ready: AtomicUsize,
+    pub workers_total: usize,
+    pub public_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub started: Instant,
+    /// Per-worker driver name ("io_uring" or "epoll"), filled as workers start.
+    pub drivers: Vec<AtomicUsize>,
+}
+
+impl Shared {
+    pub fn ready(&self) -> bool {
+        self.workers_ready.load(Ordering::Acquire) == self.workers_total
+            && !self.draining.load(Ordering::Acquire)
+    }
+}
+
+pub struct StartOptions {
+    pub workers: usize,
+    pub public: SocketAddr,
+    pub admin: SocketAddr,
+    pub takeover: bool,
+    pub pin: bool,
+    pub access_log: AccessLogTarget,
+}
+
+#[derive(Clone, Debug)]
+pub enum AccessLogTarget {
+    Off,
+    Stderr,
+    File(std::path::PathBuf),
+}
+
+/// The running set of workers.
+pub struct Workers {
+    pub shared: Arc<Shared>,
+    senders: Vec<Sender<Arc<Snapshot>>>,
+    handles: Vec<JoinHandle<()>>,
+}
+
+/// Worker count when not configured: cores in the affinity mask, capped by available parallelism.
+pub fn default_worker_count() -> usize {
+    let mask = core_affinity::get_core_ids().map(|c| c.len()).unwrap_or(1);
+    let par = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    mask.min(par).max(1)
+}
+
+impl Workers {
+    pub fn start(
+        opts: StartOptions,
+        snapshot: Arc<Snapshot>,
+        seg: Arc<Segment>,
+    ) -> io::Result<Workers> {
+        let n = opts.workers.max(1);
+        let (public, public_addr) = bind_shared(opts.public, n, opts.takeover)?;
+        let (admin, admin_addr) = bind_shared(opts.admin, n, opts.takeover)?;
+        let shared = Arc::new(Shared {
+            seg,
+            draining: AtomicBool::new(false),
+            drain_deadline_ms: AtomicU64::new(0),
+            workers_ready: AtomicUsize::new(0),
+            workers_total: n,
+            public_addr,
+            admin_addr,
+            started: Instant::now(),
+            drivers: (0..n).map(|_| AtomicUsize::new(0)).collect(),
+        });
+        let cores = if opts.pin {
+            core_affinity::get_core_ids().unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let mut senders = Vec::with_capacity(n);
+        let mut handles = Vec::with_capacity(n);
+        for (idx, (pl, al)) in public.into_iter().zip(admin).enumerate() {
+            let (tx, rx) = crossbeam_channel::bounded(4);
+            senders.push(tx);
+            let shared = shared.clone();
+            let snap = snapshot.clone();
+            let core = (!cores.is_empty()).then(|| cores[idx % cores.len()]);
+            let log = opts.access_log.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("warmroute-w{idx}"))
+                .spawn(move || worker_main(idx, core, pl, al, rx, shared, snap, log))?;
+            handles.push(h);
+        }
+        Ok(Workers {
+            shared,
+            senders,
+            handles,
+        })
+    }
+
+    /// Hand a new snapshot to every worker; each swaps it in between requests.
+    pub fn publish(&self, snap: Arc<Snapshot>) {
+        for tx in &self.senders {
+            // A full channel means the worker has not picked up earlier snapshots yet; it
+            // only ever uses the newest, so dropping this one would lose the newest: block
+            // briefly instead (the main thread is not on the data path).
+            let _ = tx.send_timeout(snap.clone(), Duration::from_secs(5));
+        }
+    }
+
+    /// Stop accepting; let in-flight requests finish until `timeout`.
+    pub fn drain(&self, timeout: Duration) {
+        let deadline = warmroute_shm::now_ms() + timeout.as_millis() as u64;
+        self.shared
+            .drain_deadline_ms
+            .store(deadline, Ordering::Release);
+        self.shared.draining.store(true, Ordering::Release);
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.handles.iter().all(|h| h.is_finished())
+    }
+
+    pub fn join(self) {
+        for h in self.handles {
+            let _ = h.join();
+        }
+    }
+}
+
+pub const DRIVER_NAMES: [&str; 3] = ["starting", "io_uring", "epoll"];
+
+#[allow(clippy::too_many_arguments)]
+fn worker_main(
+    idx: usize,
+    core: Option<core_affinity::CoreId>,
+    public: TcpListener,
+    admin: TcpListener,
+    rx: Receiver<Arc<Snapshot>>,
+    shared: Arc<Shared>,
+    snapshot: Arc<Snapshot>,
+    log: AccessLogTarget,
+) {
+    if let Some(c) = core {
+        if !core_affinity::set_for_current(c) {
+            tracing::warn!(
+                worker = idx,
+                core = c.id,
+                "could not pin worker to its core"
+            );
+        }
+    }
+    let uring = monoio::utils::detect_uring();
+    let driver = if uring { "io_uring" } else { "epoll" };
+    shared.drivers[idx].store(if uring { 1 } else { 2 }, Ordering::Release);
+    let mut rt = match monoio::RuntimeBuilder::<monoio::FusionDriver>::new()
+        .with_entries(4096)
+        .enable_timer()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(worker = idx, error = %e, "cannot build the worker runtime");
+            std::process::exit(1);
+        }
+    };
+    if uring {
+        tracing::info!(worker = idx, driver, "worker started");
+    } else {
+        tracing::warn!(
+            worker = idx,
+            driver,
+            "io_uring unavailable or disabled; worker uses the epoll fallback"
+        );
+    }
+    rt.block_on(async move {
+        let pid = std::process::id();
+        let wid = match shared.seg.claim_worker(pid, idx as u32) {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::error!(worker = idx, error = %e, "no free worker row in the shared segment");
+                std::process::exit(1);
+            }
+        };
+        let ctx = Rc::new(WorkerCtx::new(idx, wid, shared.clone(), snapshot, driver, &log));
+        for (l, kind) in [(public, PortKind::Public), (admin, PortKind::Admin)] {
+            match monoio::net::TcpListener::from_std(l) {
+                Ok(l) => {
+                    monoio::spawn(accept_loop(ctx.clone(), l, kind));
+                }
+                Err(e) => {
+                    tracing::error!(worker = idx, error = %e, "cannot register listener");
+                    std::process::exit(1);
+                }
+            }
+        }
+        shared.workers_ready.fetch_add(1, Ordering::AcqRel);
+        loop {
+            monoio::time::sleep(TICK).await;
+            let now = warmroute_shm::now_ms();
+            shared.seg.heartbeat(wid, now);
+            let mut newest = None;
+            while let Ok(s) = rx.try_recv() {
+                newest = Some(s);
+            }
+            if let Some(s) = newest {
+                ctx.swap_snapshot(s);
+            }
+            ctx.upstreams.borrow_mut().evict_expired(Instant::now());
+            ctx.access_log.borrow_mut().flush();
+            if shared.draining.load(Ordering::Acquire) {
+                if !ctx.drain.is_fired() {
+                    ctx.drain.fire();
+                    tracing::info!(worker = idx, conns = ctx.active_conns.get(), "draining");
+                }
+                let deadline = shared.drain_deadline_ms.load(Ordering::Acquire);
+                if ctx.active_conns.get() == 0 || now >= deadline {
+                    break;
+                }
+            }
+        }
+        ctx.access_log.borrow_mut().flush();
+        shared.seg.release_worker(wid);
+        tracing::info!(worker = idx, left = ctx.active_conns.get(), "worker stopped");
+    });
+}
+
+use std::rc::Rc;
+
+async fn accept_loop(ctx: Rc<WorkerCtx>, listener: monoio::net::TcpListener, kind: PortKind) {
+    loop {
+        let accepted = match race(listener.accept(), ctx.drain.wait()).await {
+            Either::Left(r) => r,
+            Either::Right(()) => return,
+        };
+        match accepted {
+            Ok((stream, addr)) => {
+                let _ = stream.set_nodelay(true);
+                let c = ctx.clone();
+                monoio::spawn(crate::pipeline::serve_client(c, stream, addr, kind));
+            }
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning on the error.
+                tracing::warn!(worker = ctx.index, error = %e, "accept failed");
+                monoio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+}

@@ -1,0 +1,277 @@
+//! The peer side: cancellation reaches the engine, the pool survives stale connections,
+//! every response framing is relayed correctly, in-flight always returns to zero.
+
+mod common;
+
+use std::io::{BufReader, Read, Write};
+use std::net::Shutdown;
+use std::time::{Duration, Instant};
+
+use common::*;
+use warmroute_mock::MockEvent;
+
+fn client_gone_events(m: &warmroute_mock::MockServer) -> Vec<(Instant, &'static str)> {
+    m.events()
+        .into_iter()
+        .filter_map(|e| match e {
+            MockEvent::ClientGone { at, during } => Some((at, during)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn client_gone_during_silent_prefill_closes_upstream_within_100ms() {
+    let m = mock("m0");
+    let env = start(&[("r", route_for(&[m.addr()], ""))], "");
+    let mut s = connect(env.public());
+    s.write_all(&post_json(
+        "/r/v1/chat/completions",
+        &chat_body("think hard", true),
+        "x-mock-hang-ms: 5000\r\n",
+    ))
+    .unwrap();
+    // Wait until the request is in the engine's prefill.
+    eventually(Duration::from_secs(5), "request reaches the mock", || {
+        m.stats().active == 1
+    });
+    assert_eq!(
+        inflight_total(&env, "r"),
+        1,
+        "the request counts as in flight"
+    );
+    let dropped_at = Instant::now();
+    s.shutdown(Shutdown::Both).unwrap();
+    drop(s);
+    eventually(Duration::from_secs(3), "mock sees the client gone", || {
+        !client_gone_events(&m).is_empty()
+    });
+    let (at, during) = client_gone_events(&m)[0];
+    let lag = at.saturating_duration_since(dropped_at);
+    assert_eq!(during, "prefill");
+    assert!(
+        lag < Duration::from_millis(100),
+        "upstream closed {lag:?} after the client left"
+    );
+    eventually(Duration::from_secs(2), "in-flight back to 0", || {
+        inflight_total(&env, "r") == 0
+    });
+}
+
+#[test]
+fn client_gone_mid_stream_stops_generation() {
+    let m = mock("m0");
+    let env = start(&[("r", route_for(&[m.addr()], ""))], "");
+    let mut s = connect(env.public());
+    s.write_all(&post_json(
+        "/r/v1/chat/completions",
+        &chat_body("go", true),
+        "x-mock-tokens: 1000\r\nx-mock-interval-ms: 20\r\n",
+    ))
+    .unwrap();
+    let mut first = [0u8; 64];
+    s.read_exact(&mut first).unwrap();
+    let dropped_at = Instant::now();
+    drop(s);
+    eventually(Duration::from_secs(3), "mock sees the client gone", || {
+        !client_gone_events(&m).is_empty()
+    });
+    let (at, during) = client_gone_events(&m)[0];
+    assert_eq!(during, "stream");
+    assert!(at.saturating_duration_since(dropped_at) < Duration::from_millis(200));
+    assert!(m.stats().completion_tokens < 1000);
+    eventually(Duration::from_secs(2), "in-flight back to 0", || {
+        inflight_total(&env, "r") == 0
+    });
+}
+
+#[test]
+fn upstream_closing_mid_stream_truncates_and_closes_the_client() {
+    let m = mock("m0");
+    let env = start(&[("r", route_for(&[m.addr()], ""))], "");
+    let mut s = connect(env.public());
+    s.write_all(&post_json(
+        "/r/v1/chat/completions",
+        &chat_body("go", true),
+        "x-mock-tokens: 50\r\nx-mock-close-after: 3\r\n",
+    ))
+    .unwrap();
+    let mut all = Vec::new();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let n = s.read_to_end(&mut all).unwrap_or(0);
+    let text = String::from_utf8_lossy(&all[..n.max(all.len())]);
+    assert!(text.starts_with("HTTP/1.1 200"));
+    assert!(!text.contains("[DONE]"), "stream was cut, not completed");
+    assert!(
+        !text.ends_with("0\r\n\r\n"),
+        "no terminating chunk: the client can tell the body is truncated"
+    );
+    assert_eq!(inflight_total(&env, "r"), 0);
+}
+
+#[test]
+fn stale_pooled_connection_is_retried_fresh_without_counting_a_retry() {
+    // The backend answers one request per connection and then closes without saying so.
+    let resp = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec();
+    let b = raw_backend(vec![resp], 1);
+    let env = start(&[("r", route_for(&[b.addr], ""))], "");
+    let c = connect(env.public());
+    let mut r = BufReader::new(c.try_clone().unwrap());
+    let mut c = c;
+    for i in 0..4 {
+        c.write_all(&get("/r/x")).unwrap();
+        let resp = read_response(&mut r, false).unwrap();
+        assert_eq!(
+            (resp.status, resp.text().as_str()),
+            (200, "ok"),
+            "request {i}"
+        );
+        assert_eq!(resp.header("x-routed-retries"), Some("0"));
+        std::thread::sleep(Duration::from_millis(30));
+    }
+    assert!(
+        b.accepted.load(std::sync::atomic::Ordering::SeqCst) >= 4,
+        "each request needed a fresh connection"
+    );
+}
+
+#[test]
+fn pooled_connections_are_reused() {
+    let resp = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec();
+    let b = raw_backend(vec![resp], usize::MAX);
+    let env = start(&[("r", route_for(&[b.addr], ""))], "");
+    let c = connect(env.public());
+    let mut r = BufReader::new(c.try_clone().unwrap());
+    let mut c = c;
+    for _ in 0..20 {
+        c.write_all(&get("/r/x")).unwrap();
+        assert_eq!(read_response(&mut r, false).unwrap().status, 200);
+    }
+    // One client connection lands on one worker, which keeps reusing its pooled connection.
+    assert_eq!(b.accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+#[test]
+fn every_response_framing_is_relayed() {
+    let cases: Vec<(&str, &[u8], &[u8], &str)> = vec![
+        ("GET", b"HTTP/1.1 204 No Content\r\nX-A: 1\r\n\r\n", b"", "204"),
+        ("GET", b"HTTP/1.1 304 Not Modified\r\nETag: x\r\n\r\n", b"", "304"),
+        ("HEAD", b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n", b"", "head"),
+        ("GET", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\nX-T: 1\r\n\r\n", b"abc", "chunked+trailer"),
+        ("GET", b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi", b"hi", "103"),
+        ("GET", b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil close", b"until close", "close-delimited"),
+    ];
+    for (method, wire, body, what) in cases {
+        let close = what == "close-delimited";
+        let b = raw_backend(vec![wire.to_vec()], if close { 1 } else { usize::MAX });
+        let env = start(&[("r", route_for(&[b.addr], ""))], "");
+        let c = connect(env.public());
+        let mut r = BufReader::new(c.try_clone().unwrap());
+        let mut c = c;
+        // Twice on one connection: the first response must not leave junk behind.
+        for round in 0..2 {
+            c.write_all(format!("{method} /r/x HTTP/1.1\r\nHost: t\r\n\r\n").as_bytes())
+                .unwrap();
+            let resp = read_response(&mut r, method == "HEAD")
+                .unwrap_or_else(|e| panic!("{what} round {round}: {e}"));
+            assert_eq!(resp.body, body, "{what}");
+            if what == "head" {
+                assert_eq!(resp.header("content-length"), Some("1234"));
+            }
+            if close {
+                assert_eq!(resp.header("connection"), Some("close"), "{what}");
+                break;
+            }
+        }
+        if what == "103" {
+            // The interim response reaches the client before the final one.
+            let mut c = connect(env.public());
+            c.write_all(b"GET /r/x HTTP/1.1\r\nHost: t\r\n\r\n")
+                .unwrap();
+            let mut buf = [0u8; 30];
+            c.read_exact(&mut buf).unwrap();
+            assert!(
+                buf.starts_with(b"HTTP/1.1 103 Early Hints\r\n"),
+                "{}",
+                String::from_utf8_lossy(&buf)
+            );
+        }
+    }
+}
+
+#[test]
+fn connect_failure_moves_to_another_peer() {
+    let m = mock("alive");
+    // A port nobody listens on.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let env = start(
+        &[("r", route_for(&[dead, m.addr()], "max_more_tries = 2\n"))],
+        "",
+    );
+    let mut retried = 0;
+    for _ in 0..10 {
+        let r = request(
+            env.public(),
+            &post_json("/r/v1/chat/completions", &chat_body("x", false), ""),
+        );
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("x-routed-peer"), Some("p1"));
+        if r.header("x-routed-retries") == Some("1") {
+            retried += 1;
+        }
+    }
+    assert!(
+        retried > 0,
+        "some requests first tried the dead peer and were retried"
+    );
+    // With retries off, the dead peer's failure reaches the client as 502.
+    let env2 = start(&[("r", route_for(&[dead], "max_more_tries = 0\n"))], "");
+    let r = request(env2.public(), &get("/r/x"));
+    assert_eq!(r.status, 502);
+    assert_eq!(r.json()["error"]["type"], "upstream_connect_failed");
+    assert_eq!(inflight_total(&env, "r") + inflight_total(&env2, "r"), 0);
+}
+
+#[test]
+fn many_concurrent_streams_release_every_inflight() {
+    let m = mock("m0");
+    let env = start(&[("r", route_for(&[m.addr()], ""))], "");
+    let addr = env.public();
+    let handles: Vec<_> = (0..40)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let mut s = connect(addr);
+                let extra = "x-mock-tokens: 20\r\nx-mock-interval-ms: 5\r\n";
+                s.write_all(&post_json(
+                    "/r/v1/chat/completions",
+                    &chat_body("x y z", true),
+                    extra,
+                ))
+                .unwrap();
+                if i % 3 == 0 {
+                    // Some clients leave early.
+                    let mut b = [0u8; 100];
+                    let _ = s.read(&mut b);
+                    return;
+                }
+                let r = read_response(&mut BufReader::new(s), false).unwrap();
+                assert_eq!(r.status, 200);
+                assert!(r.text().contains("[DONE]"));
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    eventually(Duration::from_secs(3), "in-flight back to 0", || {
+        inflight_total(&env, "r") == 0
+    });
+    assert_eq!(
+        m.stats().completions,
+        26,
+        "every client that stayed got its whole stream"
+    );
+}
