@@ -1,1 +1,1083 @@
-//! Segment (placeholder)
+//! The shared segment: one file (normally under `/dev/shm`) mapped `MAP_SHARED` by every worker
+//! thread of a router process, by a process taking over from it, and by `warmroute status`.
+//!
+//! Contract:
+//! - The mapping holds `#[repr(C)]` atomics only: no pointers, no plain fields that are written.
+//!   A zero-filled file is the valid empty state; the creator writes the header after sizing the
+//!   file and publishes it by storing [`MAGIC`] last (Release). Attachers check magic (Acquire),
+//!   [`LAYOUT_VERSION`] and capacities.
+//! - Layout (every table starts on a 64-byte line): header (stable identity prefix, lease,
+//!   [`GLOBAL_CELLS`] global cells) · worker rows · in-flight matrix `[workers][peers]` (each
+//!   worker's row contiguous) · peer slots · route slots. See [`Layout`].
+//! - Who writes what: a worker row and its in-flight row are written only by the thread that
+//!   claimed it (and by whoever reclaims it after its process died); slot keys are written once
+//!   by the inserter and never change; bans by the health prober and proxying workers; the lease
+//!   by contenders for it; generic cells by whoever the router assigns them to.
+//! - Slots are permanent: the same key maps to the same slot for the life of the segment, across
+//!   reloads and processes. Capacities are fixed when the segment is created.
+//! - Reinitialising (capacity or version change) truncates the file; it is refused while a live
+//!   process owns a worker row. A process that still maps a shrunk segment would get SIGBUS, so
+//!   only short-lived readers (`warmroute status`) may be attached across such a change.
+//!
+//! This is the only crate of the project with `unsafe`; every block says why it holds.
+
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::hint;
+use std::io;
+use std::mem::{align_of, size_of};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use memmap2::{MmapOptions, MmapRaw};
+
+/// `b"WRMRTSHM"` read as a little-endian u64.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"WRMRTSHM");
+/// Bumped whenever any table's layout changes. The header's identity prefix (magic, version,
+/// capacities, total size, worker-row offset and size, owner pid as the first u32 of a worker
+/// row) never moves, so any version can tell whether a live process owns an older segment.
+pub const LAYOUT_VERSION: u32 = 1;
+/// Generic per-peer u64 cells (counters, EWMAs as f64 bits, ...), meaning defined by the router.
+pub const PEER_CELLS: usize = 32;
+/// Generic per-route u64 cells.
+pub const ROUTE_CELLS: usize = 64;
+/// Generic process-wide cells (toggles, counters).
+pub const GLOBAL_CELLS: usize = 64;
+/// Longest slot key in bytes; longer keys get no slot.
+pub const MAX_KEY_BYTES: usize = 119;
+
+/// Upper bounds on capacities, so a corrupt header or a typo cannot ask for terabytes.
+pub const MAX_WORKERS: u32 = 4096;
+pub const MAX_PEERS: u32 = 1 << 20;
+pub const MAX_ROUTES: u32 = 1 << 20;
+/// Upper bound on the whole segment (4 GiB).
+pub const MAX_SEGMENT_BYTES: u64 = 1 << 32;
+
+/// Fixed table sizes of a segment, decided when it is created.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacities {
+    pub workers: u32,
+    pub peers: u32,
+    pub routes: u32,
+}
+
+impl Default for Capacities {
+    fn default() -> Self {
+        Capacities {
+            workers: 64,
+            peers: 4096,
+            routes: 1024,
+        }
+    }
+}
+
+/// A claimed worker row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct WorkerId(pub u32);
+/// A peer slot (stable for a key).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PeerSlot(pub u32);
+/// A route slot (stable for a key).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RouteSlot(pub u32);
+
+// ---------------------------------------------------------------------------------------------
+// Layout of the mapping
+// ---------------------------------------------------------------------------------------------
+
+/// Segment header. Lines 0 (identity) and 1 (lease) are separate so lease traffic does not
+/// invalidate the identity line every reader checks; then the global cells.
+#[repr(C, align(64))]
+struct Header {
+    // --- line 0: identity; written by the creator before `magic`, then read-only -------------
+    /// Writer: creator, stored last with Release.
+    magic: AtomicU64,
+    /// Writer: creator.
+    layout_version: AtomicU32,
+    /// Writer: creator (capacities).
+    workers: AtomicU32,
+    peers: AtomicU32,
+    routes: AtomicU32,
+    /// Writer: creator. Bytes the file must have.
+    total_size: AtomicU64,
+    /// Writer: creator. Byte offset of the worker-row table (stable across versions).
+    workers_offset: AtomicU64,
+    /// Writer: creator. Size of one worker row; its first u32 is the owner pid.
+    worker_row_size: AtomicU32,
+    /// Writer: claimers (`fetch_max`). Rows at or past it have never been claimed.
+    rows_high_water: AtomicU32,
+    _pad0: [AtomicU64; 2],
+    // --- line 1: lease ----------------------------------------------------------------------
+    /// Writer: the contender whose claim CAS on `lease_expires` succeeded. 0 = none.
+    lease_holder: AtomicU64,
+    /// Writer: lease contenders, always by CAS. Bit 63 set = a claim is in progress (low bits are
+    /// the claim time), otherwise the expiry in ms since the epoch.
+    lease_expires: AtomicU64,
+    _pad1: [AtomicU64; 6],
+    // --- lines 2..10: generic global cells; writers as the router assigns them ------------------
+    globals: [AtomicU64; GLOBAL_CELLS],
+}
+const _: () = assert!(size_of::<Header>() == 640);
+const _: () = assert!(align_of::<Header>() == 64);
+
+/// One worker thread's row (one cache line).
+#[repr(C, align(64))]
+struct WorkerRow {
+    /// Writer: the claimer (CAS), the owner on release, a reclaimer when the owner died.
+    /// 0 = free; `RESETTING | pid` = being reset by `pid` (not counted); else the owner pid.
+    /// Must stay the first field (see `LAYOUT_VERSION`).
+    pid: AtomicU32,
+    /// Writer: the claimer, while resetting. Free-form (worker index).
+    tag: AtomicU32,
+    /// Writer: owner.
+    heartbeat_ms: AtomicU64,
+    /// Writer: the claimer, while resetting.
+    claimed_ms: AtomicU64,
+    _pad: [AtomicU64; 5],
+}
+const _: () = assert!(size_of::<WorkerRow>() == 64);
+
+/// Key part of a peer or route slot. Written once by the inserter, immutable once ready.
+#[repr(C)]
+struct KeyRec {
+    /// Writer: inserter (CAS `EMPTY`→`WRITING`, then `WRITING`→`READY`), or a waiter that finds
+    /// the inserting process dead (`WRITING`→`ABANDONED`). Never goes back to `EMPTY`.
+    state: AtomicU32,
+    /// Writer: inserter, while `WRITING`.
+    key_len: AtomicU32,
+    /// Writer: inserter, while `WRITING`. `key_hash` of the key.
+    hash: AtomicU64,
+    /// Writer: inserter, right after its CAS to `WRITING`.
+    writer_pid: AtomicU32,
+    _reserved: AtomicU32,
+    /// Writer: inserter, while `WRITING`. Key bytes, little-endian packed, zero padded.
+    key: [AtomicU64; KEY_WORDS],
+}
+const KEY_WORDS: usize = 15;
+const _: () = assert!(size_of::<KeyRec>() == 144);
+const _: () = assert!(MAX_KEY_BYTES < KEY_WORDS * 8);
+
+/// A peer slot: key, ban, generic cells.
+#[repr(C, align(64))]
+struct PeerRow {
+    key: KeyRec,
+    /// Writer: health prober and proxying workers. 0 = not banned.
+    banned_until_ms: AtomicU64,
+    _pad: [AtomicU64; 5],
+    /// Writers as the router assigns them (each cell one role).
+    cells: [AtomicU64; PEER_CELLS],
+}
+const _: () = assert!(size_of::<PeerRow>() == 448);
+
+/// A route slot: key, generic cells.
+#[repr(C, align(64))]
+struct RouteRow {
+    key: KeyRec,
+    _pad: [AtomicU64; 6],
+    /// Writers as the router assigns them (each cell one role).
+    cells: [AtomicU64; ROUTE_CELLS],
+}
+const _: () = assert!(size_of::<RouteRow>() == 704);
+
+const EMPTY: u32 = 0;
+const WRITING: u32 = 1;
+const READY: u32 = 2;
+const ABANDONED: u32 = 3;
+
+const RESETTING: u32 = 1 << 31;
+const LEASE_CLAIMING: u64 = 1 << 63;
+/// A lease claim marker older than this is from a process that died mid-claim.
+const LEASE_CLAIM_STALE_MS: u64 = 5_000;
+/// A slot stuck in `WRITING` longer than this is treated as abandoned.
+const SLOT_WRITE_STALE: Duration = Duration::from_secs(2);
+
+/// Marker for types that may be viewed in the mapping.
+///
+/// # Safety
+/// Implementors are `#[repr(C)]`, made only of atomics (so shared references to them may be used
+/// while other threads and processes write them), and valid when all bytes are zero.
+unsafe trait ShmSafe {}
+// SAFETY: repr(C), atomics only, all-zero is a valid value.
+unsafe impl ShmSafe for Header {}
+// SAFETY: repr(C), atomics only, all-zero is a valid value.
+unsafe impl ShmSafe for WorkerRow {}
+// SAFETY: repr(C), atomics only, all-zero is a valid value.
+unsafe impl ShmSafe for PeerRow {}
+// SAFETY: repr(C), atomics only, all-zero is a valid value.
+unsafe impl ShmSafe for RouteRow {}
+// SAFETY: an atomic; all-zero is a valid value.
+unsafe impl ShmSafe for AtomicI64 {}
+// SAFETY: an atomic; all-zero is a valid value.
+unsafe impl ShmSafe for AtomicU32 {}
+
+/// Byte offsets of the tables for given capacities.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub workers_offset: u64,
+    pub inflight_offset: u64,
+    /// i64 entries per worker row of the in-flight matrix (peers rounded up to a cache line).
+    pub inflight_stride: u64,
+    pub peers_offset: u64,
+    pub routes_offset: u64,
+    pub total_size: u64,
+}
+
+impl Layout {
+    /// Compute the layout, rejecting capacities out of bounds.
+    pub fn new(caps: Capacities) -> io::Result<Layout> {
+        let ok = (1..=MAX_WORKERS).contains(&caps.workers)
+            && (1..=MAX_PEERS).contains(&caps.peers)
+            && (1..=MAX_ROUTES).contains(&caps.routes);
+        if !ok {
+            return Err(invalid_input(format!(
+                "segment capacities {caps:?} out of bounds (workers 1..={MAX_WORKERS}, \
+                 peers 1..={MAX_PEERS}, routes 1..={MAX_ROUTES})"
+            )));
+        }
+        let (w, p, r) = (
+            u64::from(caps.workers),
+            u64::from(caps.peers),
+            u64::from(caps.routes),
+        );
+        let workers_offset = size_of::<Header>() as u64;
+        let inflight_offset = workers_offset + w * size_of::<WorkerRow>() as u64;
+        let inflight_stride = p.div_ceil(8) * 8;
+        let peers_offset = inflight_offset + w * inflight_stride * 8;
+        let routes_offset = peers_offset + p * size_of::<PeerRow>() as u64;
+        let total_size = routes_offset + r * size_of::<RouteRow>() as u64;
+        if total_size > MAX_SEGMENT_BYTES {
+            return Err(invalid_input(format!(
+                "segment capacities {caps:?} need {total_size} bytes, more than {MAX_SEGMENT_BYTES}"
+            )));
+        }
+        Ok(Layout {
+            workers_offset,
+            inflight_offset,
+            inflight_stride,
+            peers_offset,
+            routes_offset,
+            total_size,
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The segment
+// ---------------------------------------------------------------------------------------------
+
+/// A mapped segment. `Send + Sync`: share it with `Arc` across threads.
+pub struct Segment {
+    map: MmapRaw,
+    path: PathBuf,
+    caps: Capacities,
+    layout: Layout,
+}
+
+impl fmt::Debug for Segment {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Segment")
+            .field("path", &self.path)
+            .field("caps", &self.caps)
+            .field("total_size", &self.layout.total_size)
+            .finish()
+    }
+}
+
+/// View `n` values of `T` at byte offset `off` of the mapping, or `None` when out of bounds or
+/// misaligned. This is the one place that turns mapping bytes into references.
+fn view<T: ShmSafe>(map: &MmapRaw, off: u64, n: u64) -> Option<&[T]> {
+    let bytes = n.checked_mul(size_of::<T>() as u64)?;
+    let end = off.checked_add(bytes)?;
+    if end > map.len() as u64 {
+        return None;
+    }
+    let off = usize::try_from(off).ok()?;
+    let n = usize::try_from(n).ok()?;
+    // The mapping is page aligned, so alignment of the address equals alignment of the offset;
+    // check the address anyway.
+    let ptr = map.as_ptr().wrapping_add(off);
+    if (ptr as usize) & (align_of::<T>() - 1) != 0 {
+        return None;
+    }
+    // SAFETY: `off..end` lies inside the live mapping (checked above), the address is aligned for
+    // `T` (checked above), and `T: ShmSafe` is made only of atomics that are valid for any bytes
+    // we may find there (all-zero included), so shared references may coexist with concurrent
+    // atomic writes from other threads and processes. The slice borrows `map`, so it cannot
+    // outlive the mapping. (If another process truncates the file, access faults with SIGBUS,
+    // which is not a memory-safety violation.)
+    Some(unsafe { std::slice::from_raw_parts(ptr.cast::<T>(), n) })
+}
+
+fn invalid_input(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, msg)
+}
+
+fn invalid_data(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg)
+}
+
+/// An advisory lock on the whole file, held only while opening (never on the data path), so
+/// creators and attachers never see a half-written header. Unlocked explicitly on drop: closing
+/// the descriptor is not enough, because the mapping keeps the open file description alive.
+struct FileLock<'a>(&'a File);
+
+impl<'a> FileLock<'a> {
+    fn new(file: &'a File, exclusive: bool) -> io::Result<FileLock<'a>> {
+        let op = if exclusive {
+            libc::LOCK_EX
+        } else {
+            libc::LOCK_SH
+        };
+        loop {
+            // SAFETY: `file` is an open file, so its descriptor is valid for this call; flock
+            // takes no pointers.
+            let r = unsafe { libc::flock(file.as_raw_fd(), op) };
+            if r == 0 {
+                return Ok(FileLock(file));
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+}
+
+impl Drop for FileLock<'_> {
+    fn drop(&mut self) {
+        // SAFETY: the borrowed file is still open, so its descriptor is valid; no pointers.
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+fn map_file(file: &File, len: u64) -> io::Result<MmapRaw> {
+    let len = usize::try_from(len).map_err(|_| invalid_data(format!("segment of {len} bytes")))?;
+    let map = MmapOptions::new().len(len).map_raw(file)?;
+    if (map.as_ptr() as usize) & 63 != 0 {
+        return Err(io::Error::other("segment mapping is not 64-byte aligned"));
+    }
+    Ok(map)
+}
+
+/// What a header says about itself.
+struct HeaderInfo {
+    magic: u64,
+    version: u32,
+    caps: Capacities,
+    total_size: u64,
+    workers_offset: u64,
+    worker_row_size: u32,
+}
+
+fn read_header(map: &MmapRaw) -> Option<HeaderInfo> {
+    let h = &view::<Header>(map, 0, 1)?[0];
+    let magic = h.magic.load(Ordering::Acquire);
+    Some(HeaderInfo {
+        magic,
+        version: h.layout_version.load(Ordering::Relaxed),
+        caps: Capacities {
+            workers: h.workers.load(Ordering::Relaxed),
+            peers: h.peers.load(Ordering::Relaxed),
+            routes: h.routes.load(Ordering::Relaxed),
+        },
+        total_size: h.total_size.load(Ordering::Relaxed),
+        workers_offset: h.workers_offset.load(Ordering::Relaxed),
+        worker_row_size: h.worker_row_size.load(Ordering::Relaxed),
+    })
+}
+
+/// Pids of live processes owning worker rows, read through the version-stable header prefix.
+fn live_owners(map: &MmapRaw, info: &HeaderInfo) -> Vec<u32> {
+    let mut pids = Vec::new();
+    if info.magic != MAGIC {
+        return pids;
+    }
+    let stride = u64::from(info.worker_row_size);
+    if stride < 4 || stride % 4 != 0 {
+        return pids;
+    }
+    for i in 0..u64::from(info.caps.workers.min(MAX_WORKERS)) {
+        let Some(off) = i
+            .checked_mul(stride)
+            .and_then(|o| o.checked_add(info.workers_offset))
+        else {
+            break;
+        };
+        let Some(cell) = view::<AtomicU32>(map, off, 1) else {
+            break; // beyond the end of a short file
+        };
+        let pid = cell[0].load(Ordering::Acquire) & !RESETTING;
+        if pid != 0 && pid_alive(pid) && !pids.contains(&pid) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+impl Segment {
+    /// Create the file (mode 0600) sized for `caps`, or attach to an existing one whose header
+    /// matches (magic, version, caps), keeping all its state. If the existing header does not
+    /// match (or the file is shorter than the header says) and no live process owns any worker
+    /// row, reinitialise it; if a live process owns rows, return an error explaining the mismatch.
+    pub fn open_or_create(path: &Path, caps: Capacities) -> io::Result<Segment> {
+        let layout = Layout::new(caps)?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(path)?;
+        let _lock = FileLock::new(&file, true)?;
+        let len = file.metadata()?.len();
+        if len >= size_of::<Header>() as u64 {
+            let map = map_file(&file, len)?;
+            let info = read_header(&map).ok_or_else(|| io::Error::other("header not mapped"))?;
+            let matches = info.magic == MAGIC
+                && info.version == LAYOUT_VERSION
+                && info.caps == caps
+                && info.total_size == layout.total_size
+                && info.workers_offset == layout.workers_offset
+                && info.worker_row_size == size_of::<WorkerRow>() as u32
+                && len >= layout.total_size;
+            if matches {
+                return Segment::from_map(map, path, caps, layout);
+            }
+            let live = live_owners(&map, &info);
+            if !live.is_empty() {
+                let found = if info.magic == MAGIC {
+                    format!(
+                        "layout v{} with {:?} in {} bytes (file has {len})",
+                        info.version, info.caps, info.total_size
+                    )
+                } else {
+                    "no valid header".to_string()
+                };
+                return Err(io::Error::new(
+                    io::ErrorKind::AddrInUse,
+                    format!(
+                        "shared segment {} has {found}, but this process needs layout v{} with \
+                         {caps:?}; live process(es) {live:?} own worker rows in it, so it cannot \
+                         be reinitialised: stop them or use another segment path",
+                        path.display(),
+                        LAYOUT_VERSION
+                    ),
+                ));
+            }
+            drop(map);
+        }
+        // Reinitialise: truncating to zero zeroes every byte, so the tables start empty.
+        file.set_len(0)?;
+        file.set_len(layout.total_size)?;
+        let map = map_file(&file, layout.total_size)?;
+        {
+            let h = &view::<Header>(&map, 0, 1)
+                .ok_or_else(|| io::Error::other("header not mapped"))?[0];
+            h.layout_version.store(LAYOUT_VERSION, Ordering::Relaxed);
+            h.workers.store(caps.workers, Ordering::Relaxed);
+            h.peers.store(caps.peers, Ordering::Relaxed);
+            h.routes.store(caps.routes, Ordering::Relaxed);
+            h.total_size.store(layout.total_size, Ordering::Relaxed);
+            h.workers_offset
+                .store(layout.workers_offset, Ordering::Relaxed);
+            h.worker_row_size
+                .store(size_of::<WorkerRow>() as u32, Ordering::Relaxed);
+            h.magic.store(MAGIC, Ordering::Release);
+        }
+        Segment::from_map(map, path, caps, layout)
+    }
+
+    /// Attach to an existing segment reading caps from its header (for `warmroute status`);
+    /// error if missing or invalid.
+    pub fn open_existing(path: &Path) -> io::Result<Segment> {
+        let file = OpenOptions::new().read(true).write(true).open(path)?;
+        let _lock = FileLock::new(&file, false)?;
+        let len = file.metadata()?.len();
+        let bad = |why: String| invalid_data(format!("{}: {why}", path.display()));
+        if len < size_of::<Header>() as u64 {
+            return Err(bad(format!(
+                "{len} bytes is too short for a segment header"
+            )));
+        }
+        let map = map_file(&file, len)?;
+        let info = read_header(&map).ok_or_else(|| bad("header not mapped".into()))?;
+        if info.magic != MAGIC {
+            return Err(bad("not a warmroute segment (bad magic)".into()));
+        }
+        if info.version != LAYOUT_VERSION {
+            return Err(bad(format!(
+                "layout version {} but this binary reads {LAYOUT_VERSION}",
+                info.version
+            )));
+        }
+        let layout = Layout::new(info.caps).map_err(|e| bad(e.to_string()))?;
+        if info.total_size != layout.total_size
+            || info.workers_offset != layout.workers_offset
+            || info.worker_row_size != size_of::<WorkerRow>() as u32
+            || len < layout.total_size
+        {
+            return Err(bad(format!(
+                "header ({:?}, {} bytes) is inconsistent with the file ({len} bytes)",
+                info.caps, info.total_size
+            )));
+        }
+        Segment::from_map(map, path, info.caps, layout)
+    }
+
+    fn from_map(map: MmapRaw, path: &Path, caps: Capacities, layout: Layout) -> io::Result<Self> {
+        let seg = Segment {
+            map,
+            path: path.to_path_buf(),
+            caps,
+            layout,
+        };
+        // Check once that every table is in bounds and aligned, so the accessors may rely on it.
+        let ok = seg.try_header().is_some()
+            && seg.try_worker_rows().is_some()
+            && seg.try_inflight().is_some()
+            && seg.try_peer_rows().is_some()
+            && seg.try_route_rows().is_some();
+        if !ok {
+            return Err(invalid_data(format!(
+                "{}: tables do not fit the mapping",
+                path.display()
+            )));
+        }
+        Ok(seg)
+    }
+
+    fn try_header(&self) -> Option<&Header> {
+        view::<Header>(&self.map, 0, 1).map(|s| &s[0])
+    }
+    fn try_worker_rows(&self) -> Option<&[WorkerRow]> {
+        view(
+            &self.map,
+            self.layout.workers_offset,
+            u64::from(self.caps.workers),
+        )
+    }
+    fn try_inflight(&self) -> Option<&[AtomicI64]> {
+        view(
+            &self.map,
+            self.layout.inflight_offset,
+            u64::from(self.caps.workers) * self.layout.inflight_stride,
+        )
+    }
+    fn try_peer_rows(&self) -> Option<&[PeerRow]> {
+        view(
+            &self.map,
+            self.layout.peers_offset,
+            u64::from(self.caps.peers),
+        )
+    }
+    fn try_route_rows(&self) -> Option<&[RouteRow]> {
+        view(
+            &self.map,
+            self.layout.routes_offset,
+            u64::from(self.caps.routes),
+        )
+    }
+
+    // The `expect`s below hold by construction: `from_map` checked these exact views.
+    fn header(&self) -> &Header {
+        self.try_header().expect("header checked at open")
+    }
+    fn worker_rows(&self) -> &[WorkerRow] {
+        self.try_worker_rows().expect("worker rows checked at open")
+    }
+    fn inflight_row(&self, w: WorkerId) -> &[AtomicI64] {
+        let stride = self.layout.inflight_stride as usize;
+        let all = self
+            .try_inflight()
+            .expect("in-flight matrix checked at open");
+        let start = w.0 as usize * stride;
+        &all[start..start + stride]
+    }
+    fn peer_rows(&self) -> &[PeerRow] {
+        self.try_peer_rows().expect("peer rows checked at open")
+    }
+    fn route_rows(&self) -> &[RouteRow] {
+        self.try_route_rows().expect("route rows checked at open")
+    }
+    fn peer(&self, p: PeerSlot) -> &PeerRow {
+        &self.peer_rows()[p.0 as usize]
+    }
+
+    pub fn caps(&self) -> Capacities {
+        self.caps
+    }
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    // --- worker rows --------------------------------------------------------------------------
+
+    /// Claim a free row (owner pid 0) or reclaim a row whose owner pid is no longer alive
+    /// (zeroing its in-flight counts first). Records pid and `tag` (e.g. worker index). Error when
+    /// all rows are taken by live owners.
+    pub fn claim_worker(&self, pid: u32, tag: u32) -> io::Result<WorkerId> {
+        if pid == 0 || pid & RESETTING != 0 {
+            return Err(invalid_input(format!("pid {pid} cannot own a worker row")));
+        }
+        // Free rows first (no syscall), then rows of dead processes.
+        let free = self.worker_rows().iter().enumerate().map(|r| (r, true));
+        let dead = self.worker_rows().iter().enumerate().map(|r| (r, false));
+        for ((i, row), free_pass) in free.chain(dead) {
+            let v = row.pid.load(Ordering::Acquire);
+            let takeable = if free_pass {
+                v == 0
+            } else {
+                v != 0 && !pid_alive(v & !RESETTING)
+            };
+            if !takeable {
+                continue;
+            }
+            let me = RESETTING | std::process::id();
+            if row
+                .pid
+                .compare_exchange(v, me, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+            {
+                continue; // somebody else took or reclaimed it first
+            }
+            let w = WorkerId(i as u32);
+            self.zero_inflight(w);
+            row.tag.store(tag, Ordering::Relaxed);
+            row.heartbeat_ms.store(now_ms(), Ordering::Relaxed);
+            row.claimed_ms.store(now_ms(), Ordering::Relaxed);
+            self.header()
+                .rows_high_water
+                .fetch_max(i as u32 + 1, Ordering::AcqRel);
+            row.pid.store(pid, Ordering::Release);
+            return Ok(w);
+        }
+        Err(io::Error::other(format!(
+            "all {} worker rows of segment {} are owned by live processes",
+            self.caps.workers,
+            self.path.display()
+        )))
+    }
+
+    /// Zero the row's in-flight counts and free it.
+    pub fn release_worker(&self, w: WorkerId) {
+        let row = &self.worker_rows()[w.0 as usize];
+        let v = row.pid.load(Ordering::Acquire);
+        if v == 0 || v & RESETTING != 0 {
+            return;
+        }
+        if row
+            .pid
+            .compare_exchange(v, v | RESETTING, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
+        {
+            self.zero_inflight(w);
+            row.pid.store(0, Ordering::Release);
+        }
+    }
+
+    /// Free every row whose owner pid is dead (`kill(pid, 0)` says ESRCH); returns how many.
+    pub fn reclaim_dead(&self) -> u32 {
+        let mut n = 0;
+        for (i, row) in self.worker_rows().iter().enumerate() {
+            let v = row.pid.load(Ordering::Acquire);
+            if v == 0 || pid_alive(v & !RESETTING) {
+                continue;
+            }
+            let me = RESETTING | std::process::id();
+            if row
+                .pid
+                .compare_exchange(v, me, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+            {
+                self.zero_inflight(WorkerId(i as u32));
+                row.pid.store(0, Ordering::Release);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    fn zero_inflight(&self, w: WorkerId) {
+        for c in self.inflight_row(w) {
+            c.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Rows that may be owned: `0..rows_high_water`.
+    fn live_rows(&self) -> impl Iterator<Item = (usize, &WorkerRow)> {
+        let hw = self.header().rows_high_water.load(Ordering::Acquire) as usize;
+        self.worker_rows()
+            .iter()
+            .enumerate()
+            .take(hw)
+            .filter(|(_, r)| owner(r.pid.load(Ordering::Acquire)).is_some())
+    }
+
+    pub fn heartbeat(&self, w: WorkerId, now_ms: u64) {
+        self.worker_rows()[w.0 as usize]
+            .heartbeat_ms
+            .store(now_ms, Ordering::Relaxed);
+    }
+
+    /// `(id, pid, tag, last heartbeat ms)` of rows with an owner.
+    pub fn workers(&self) -> Vec<(WorkerId, u32, u32, u64)> {
+        self.live_rows()
+            .filter_map(|(i, r)| {
+                let pid = owner(r.pid.load(Ordering::Acquire))?;
+                Some((
+                    WorkerId(i as u32),
+                    pid,
+                    r.tag.load(Ordering::Relaxed),
+                    r.heartbeat_ms.load(Ordering::Relaxed),
+                ))
+            })
+            .collect()
+    }
+
+    // --- slots --------------------------------------------------------------------------------
+
+    /// Find or insert the peer slot of `key`. Keys longer than [`MAX_KEY_BYTES`] get `None`;
+    /// the same key gets the same slot forever in this segment; `None` when the table is full.
+    pub fn peer_slot(&self, key: &str) -> Option<PeerSlot> {
+        let rows = self.peer_rows();
+        slot_lookup(rows.len(), |i| &rows[i].key, key, true).map(|i| PeerSlot(i as u32))
+    }
+    /// Find or insert the route slot of `key` (see [`Segment::peer_slot`]).
+    pub fn route_slot(&self, key: &str) -> Option<RouteSlot> {
+        let rows = self.route_rows();
+        slot_lookup(rows.len(), |i| &rows[i].key, key, true).map(|i| RouteSlot(i as u32))
+    }
+    /// Look up a peer slot without inserting.
+    pub fn find_peer_slot(&self, key: &str) -> Option<PeerSlot> {
+        let rows = self.peer_rows();
+        slot_lookup(rows.len(), |i| &rows[i].key, key, false).map(|i| PeerSlot(i as u32))
+    }
+    /// Look up a route slot without inserting.
+    pub fn find_route_slot(&self, key: &str) -> Option<RouteSlot> {
+        let rows = self.route_rows();
+        slot_lookup(rows.len(), |i| &rows[i].key, key, false).map(|i| RouteSlot(i as u32))
+    }
+    /// Every ready peer slot with its key, in slot order.
+    pub fn peer_keys(&self) -> Vec<(PeerSlot, String)> {
+        self.peer_rows()
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| Some((PeerSlot(i as u32), read_key(&r.key)?)))
+            .collect()
+    }
+    /// Every ready route slot with its key, in slot order.
+    pub fn route_keys(&self) -> Vec<(RouteSlot, String)> {
+        self.route_rows()
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| Some((RouteSlot(i as u32), read_key(&r.key)?)))
+            .collect()
+    }
+
+    // --- in-flight ----------------------------------------------------------------------------
+
+    /// Add `delta` to the in-flight count of peer `p` in row `w` (written only by the row's owner).
+    pub fn inflight_add(&self, w: WorkerId, p: PeerSlot, delta: i64) {
+        self.inflight_cell(w, p).fetch_add(delta, Ordering::Relaxed);
+    }
+    /// Sum over all owned rows (free rows skipped); negative sums read as 0.
+    pub fn inflight(&self, p: PeerSlot) -> i64 {
+        let _ = self.peer(p); // bounds check like every other accessor
+        let sum: i64 = self
+            .live_rows()
+            .map(|(i, _)| {
+                self.inflight_cell(WorkerId(i as u32), p)
+                    .load(Ordering::Relaxed)
+            })
+            .sum();
+        sum.max(0)
+    }
+    /// Row `w`'s own count for peer `p`.
+    pub fn inflight_of(&self, w: WorkerId, p: PeerSlot) -> i64 {
+        self.inflight_cell(w, p).load(Ordering::Relaxed)
+    }
+    /// Overwrite the row's own count (used by a debug endpoint).
+    pub fn inflight_set(&self, w: WorkerId, p: PeerSlot, v: i64) {
+        self.inflight_cell(w, p).store(v, Ordering::Relaxed);
+    }
+    fn inflight_cell(&self, w: WorkerId, p: PeerSlot) -> &AtomicI64 {
+        assert!(p.0 < self.caps.peers, "peer slot {} out of range", p.0);
+        &self.inflight_row(w)[p.0 as usize]
+    }
+
+    // --- bans ---------------------------------------------------------------------------------
+
+    pub fn ban(&self, p: PeerSlot, until_ms: u64) {
+        self.peer(p)
+            .banned_until_ms
+            .store(until_ms, Ordering::Relaxed);
+    }
+    pub fn unban(&self, p: PeerSlot) {
+        self.peer(p).banned_until_ms.store(0, Ordering::Relaxed);
+    }
+    /// 0 = not banned.
+    pub fn banned_until_ms(&self, p: PeerSlot) -> u64 {
+        self.peer(p).banned_until_ms.load(Ordering::Relaxed)
+    }
+    pub fn is_banned(&self, p: PeerSlot, now_ms: u64) -> bool {
+        self.banned_until_ms(p) > now_ms
+    }
+
+    // --- generic cells ------------------------------------------------------------------------
+
+    /// Panics when `i >= PEER_CELLS` or the slot is out of range.
+    pub fn peer_cell(&self, p: PeerSlot, i: usize) -> &AtomicU64 {
+        &self.peer(p).cells[i]
+    }
+    /// Panics when `i >= ROUTE_CELLS` or the slot is out of range.
+    pub fn route_cell(&self, r: RouteSlot, i: usize) -> &AtomicU64 {
+        &self.route_rows()[r.0 as usize].cells[i]
+    }
+    /// Panics when `i >= GLOBAL_CELLS`.
+    pub fn global_cell(&self, i: usize) -> &AtomicU64 {
+        &self.header().globals[i]
+    }
+
+    // --- lease --------------------------------------------------------------------------------
+
+    /// Acquire the lease if it is free or expired, or renew it if `holder` (non-zero) already
+    /// holds it, until `now_ms + ttl_ms`. Returns whether `holder` holds it after the call.
+    ///
+    /// Every change goes through a CAS on the expiry word; a takeover first swaps in a claim
+    /// marker, then writes the holder, then the new expiry, so two contenders never both win.
+    pub fn try_lease(&self, holder: u64, now_ms: u64, ttl_ms: u64) -> bool {
+        if holder == 0 {
+            return false;
+        }
+        let h = self.header();
+        let until = now_ms.saturating_add(ttl_ms) & !LEASE_CLAIMING;
+        for _ in 0..64 {
+            let e = h.lease_expires.load(Ordering::Acquire);
+            let cur = h.lease_holder.load(Ordering::Acquire);
+            let claiming = e & LEASE_CLAIMING != 0;
+            let free = if claiming {
+                // Somebody is mid-claim; only a marker left by a dead claimer is up for grabs.
+                now_ms > (e & !LEASE_CLAIMING).saturating_add(LEASE_CLAIM_STALE_MS)
+            } else {
+                cur == 0 || e <= now_ms
+            };
+            if !claiming && cur == holder {
+                // Renew. The holder only changes after a CAS on `lease_expires`, so if this CAS
+                // succeeds nobody took the lease since we read `cur`.
+                if h.lease_expires
+                    .compare_exchange(e, until, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    return true;
+                }
+                continue;
+            }
+            if !free {
+                return false;
+            }
+            let marker = LEASE_CLAIMING | (now_ms & !LEASE_CLAIMING);
+            if h.lease_expires
+                .compare_exchange(e, marker, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                h.lease_holder.store(holder, Ordering::Release);
+                h.lease_expires.store(until, Ordering::Release);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// `(holder, expires_ms)`; holder 0 = none.
+    pub fn lease(&self) -> (u64, u64) {
+        let h = self.header();
+        let e = h.lease_expires.load(Ordering::Acquire);
+        (h.lease_holder.load(Ordering::Acquire), e & !LEASE_CLAIMING)
+    }
+
+    /// Give the lease up if `holder` holds it.
+    pub fn release_lease(&self, holder: u64) {
+        let h = self.header();
+        let e = h.lease_expires.load(Ordering::Acquire);
+        if e & LEASE_CLAIMING != 0 || h.lease_holder.load(Ordering::Acquire) != holder {
+            return;
+        }
+        let marker = LEASE_CLAIMING | (now_ms() & !LEASE_CLAIMING);
+        if h.lease_expires
+            .compare_exchange(e, marker, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            h.lease_holder.store(0, Ordering::Release);
+            h.lease_expires.store(0, Ordering::Release);
+        }
+    }
+}
+
+fn owner(v: u32) -> Option<u32> {
+    (v != 0 && v & RESETTING == 0).then_some(v)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Slot tables: open addressing, linear probing, lock-free insert
+// ---------------------------------------------------------------------------------------------
+
+/// FNV-1a 64: stable across builds and processes (std's hasher is not promised to be).
+fn key_hash(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+fn pack_key(bytes: &[u8]) -> [u64; KEY_WORDS] {
+    let mut words = [0u64; KEY_WORDS];
+    for (w, chunk) in words.iter_mut().zip(bytes.chunks(8)) {
+        let mut b = [0u8; 8];
+        b[..chunk.len()].copy_from_slice(chunk);
+        *w = u64::from_le_bytes(b);
+    }
+    words
+}
+
+/// The key of a ready slot.
+fn read_key(rec: &KeyRec) -> Option<String> {
+    if rec.state.load(Ordering::Acquire) != READY {
+        return None;
+    }
+    let len = (rec.key_len.load(Ordering::Relaxed) as usize).min(KEY_WORDS * 8);
+    let mut bytes = Vec::with_capacity(KEY_WORDS * 8);
+    for w in &rec.key {
+        bytes.extend_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
+    }
+    bytes.truncate(len);
+    Some(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// Wait for a slot in `WRITING` to settle. Spins briefly, then yields; marks the slot
+/// `ABANDONED` when its writer process is dead or it stays unsettled too long.
+fn wait_settled(rec: &KeyRec) {
+    for _ in 0..128 {
+        if rec.state.load(Ordering::Acquire) != WRITING {
+            return;
+        }
+        hint::spin_loop();
+    }
+    let start = Instant::now();
+    let mut n: u32 = 0;
+    while rec.state.load(Ordering::Acquire) == WRITING {
+        n = n.wrapping_add(1);
+        if n & 63 == 0 {
+            let wp = rec.writer_pid.load(Ordering::Relaxed);
+            let dead = wp != 0 && !pid_alive(wp);
+            if dead || start.elapsed() > SLOT_WRITE_STALE {
+                let _ = rec.state.compare_exchange(
+                    WRITING,
+                    ABANDONED,
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                );
+                return;
+            }
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// Find (and with `insert`, insert) `key` in a table of `n` slots; returns the slot index.
+fn slot_lookup<'a>(
+    n: usize,
+    rec: impl Fn(usize) -> &'a KeyRec,
+    key: &str,
+    insert: bool,
+) -> Option<usize> {
+    let bytes = key.as_bytes();
+    if bytes.len() > MAX_KEY_BYTES || n == 0 {
+        return None;
+    }
+    let words = pack_key(bytes);
+    let hash = key_hash(bytes);
+    let start = (hash % n as u64) as usize;
+    let mut probe = 0;
+    while probe < n {
+        let r = rec((start + probe) % n);
+        match r.state.load(Ordering::Acquire) {
+            EMPTY => {
+                if !insert {
+                    return None; // inserts take the first empty slot, so the key is absent
+                }
+                if r.state
+                    .compare_exchange(EMPTY, WRITING, Ordering::Acquire, Ordering::Relaxed)
+                    .is_err()
+                {
+                    continue; // lost the race: look at this slot again
+                }
+                r.writer_pid.store(std::process::id(), Ordering::Relaxed);
+                r.key_len.store(bytes.len() as u32, Ordering::Relaxed);
+                r.hash.store(hash, Ordering::Relaxed);
+                for (cell, w) in r.key.iter().zip(words) {
+                    cell.store(w, Ordering::Relaxed);
+                }
+                if r.state
+                    .compare_exchange(WRITING, READY, Ordering::Release, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    return Some((start + probe) % n);
+                }
+                // A waiter gave up on us and marked the slot abandoned: carry on probing.
+            }
+            WRITING => wait_settled(r), // then look at this slot again
+            READY => {
+                let same = r.hash.load(Ordering::Relaxed) == hash
+                    && r.key_len.load(Ordering::Relaxed) as usize == bytes.len()
+                    && r.key
+                        .iter()
+                        .zip(words)
+                        .all(|(c, w)| c.load(Ordering::Relaxed) == w);
+                if same {
+                    return Some((start + probe) % n);
+                }
+                probe += 1;
+            }
+            _ => probe += 1, // abandoned
+        }
+    }
+    None
+}
+
+// ---------------------------------------------------------------------------------------------
+// Free functions
+// ---------------------------------------------------------------------------------------------
+
+/// Wall-clock milliseconds since the Unix epoch (shared meaning across processes).
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Whether a process with this pid exists (`kill(pid, 0)`; EPERM counts as alive). Pid 0 and
+/// pids that do not fit `pid_t` are never alive.
+pub fn pid_alive(pid: u32) -> bool {
+    let Ok(p) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    if p <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks that the process exists and may be signalled; nothing is
+    // delivered and no memory is passed.
+    let r = unsafe { libc::kill(p, 0) };
+    r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+#[cfg(test)]
+mod tests;

@@ -47,7 +47,7 @@ pub fn least_conn(loads: &[Load], random: u64) -> PeerChoice {
                 rnd = rnd
                     .wrapping_mul(6364136223846793005)
                     .wrapping_add(1442695040888963407);
-                if (rnd >> 33) % ties == 0 {
+                if (rnd >> 33).is_multiple_of(ties) {
                     best = Some(i);
                 }
             }

@@ -165,7 +165,9 @@ pub fn request(addr: SocketAddr, raw: &[u8]) -> Resp {
 }
 
 pub fn try_request(addr: SocketAddr, raw: &[u8]) -> std::io::Result<Resp> {
-    let mut s = connect(addr);
+    let mut s = TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(Duration::from_secs(20)))?;
     s.write_all(raw)?;
     let mut r = BufReader::new(s);
     read_response(&mut r, raw.starts_with(b"HEAD "))

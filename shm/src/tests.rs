@@ -1,0 +1,617 @@
+use super::*;
+use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::PermissionsExt;
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
+
+/// A unique path in the temp dir, removed on drop.
+struct TempPath(PathBuf);
+
+impl TempPath {
+    fn new(name: &str) -> TempPath {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let p = std::env::temp_dir().join(format!(
+            "warmroute-shm-test-{}-{name}-{n}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&p);
+        TempPath(p)
+    }
+}
+
+impl Drop for TempPath {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn small() -> Capacities {
+    Capacities {
+        workers: 4,
+        peers: 16,
+        routes: 8,
+    }
+}
+
+/// The pid of a process that has exited and been reaped.
+fn dead_pid() -> u32 {
+    let mut child = std::process::Command::new("true")
+        .spawn()
+        .expect("spawn true");
+    let pid = child.id();
+    child.wait().expect("wait true");
+    assert!(!pid_alive(pid));
+    pid
+}
+
+fn me() -> u32 {
+    std::process::id()
+}
+
+#[test]
+fn default_caps_and_layout() {
+    let c = Capacities::default();
+    assert_eq!((c.workers, c.peers, c.routes), (64, 4096, 1024));
+    let l = Layout::new(c).unwrap();
+    for off in [
+        l.workers_offset,
+        l.inflight_offset,
+        l.peers_offset,
+        l.routes_offset,
+    ] {
+        assert_eq!(off % 64, 0);
+    }
+    assert!(
+        l.total_size < 8 << 20,
+        "default segment is {} bytes",
+        l.total_size
+    );
+    assert!(Layout::new(Capacities { workers: 0, ..c }).is_err());
+    assert!(Layout::new(Capacities {
+        peers: MAX_PEERS + 1,
+        ..c
+    })
+    .is_err());
+}
+
+#[test]
+fn create_then_attach_keeps_state() {
+    let t = TempPath::new("attach");
+    {
+        let s = Segment::open_or_create(&t.0, small()).unwrap();
+        assert_eq!(s.caps(), small());
+        assert_eq!(s.path(), t.0.as_path());
+        let mode = std::fs::metadata(&t.0).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let p = s.peer_slot("10.0.0.1:8000").unwrap();
+        let r = s.route_slot("chat").unwrap();
+        s.peer_cell(p, 3).store(42, Ordering::Relaxed);
+        s.route_cell(r, 63).store(7, Ordering::Relaxed);
+        s.global_cell(0).store(9, Ordering::Relaxed);
+        s.ban(p, 12345);
+        let w = s.claim_worker(me(), 0).unwrap();
+        s.inflight_add(w, p, 2);
+        // the row is not released: this process is alive, so the next open must keep it
+    }
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let p = s.find_peer_slot("10.0.0.1:8000").unwrap();
+    let r = s.route_slot("chat").unwrap();
+    assert_eq!(s.peer_cell(p, 3).load(Ordering::Relaxed), 42);
+    assert_eq!(s.route_cell(r, 63).load(Ordering::Relaxed), 7);
+    assert_eq!(s.global_cell(0).load(Ordering::Relaxed), 9);
+    assert_eq!(s.banned_until_ms(p), 12345);
+    assert_eq!(s.inflight(p), 2);
+    assert_eq!(s.workers().len(), 1);
+
+    let e = Segment::open_existing(&t.0).unwrap();
+    assert_eq!(e.caps(), small());
+    assert_eq!(e.inflight(p), 2);
+    assert_eq!(e.peer_keys(), vec![(p, "10.0.0.1:8000".to_string())]);
+    assert_eq!(e.route_keys(), vec![(r, "chat".to_string())]);
+}
+
+#[test]
+fn mismatched_caps_reinitialise_without_live_owner() {
+    let t = TempPath::new("reinit");
+    {
+        let s = Segment::open_or_create(&t.0, small()).unwrap();
+        s.global_cell(1).store(5, Ordering::Relaxed);
+        s.peer_slot("a").unwrap();
+        // a row owned by a dead process does not block reinitialisation
+        s.claim_worker(dead_pid(), 0).unwrap();
+        let w = s.claim_worker(me(), 1).unwrap();
+        s.release_worker(w);
+    }
+    let caps = Capacities {
+        workers: 2,
+        peers: 8,
+        routes: 4,
+    };
+    let s = Segment::open_or_create(&t.0, caps).unwrap();
+    assert_eq!(s.caps(), caps);
+    assert_eq!(s.global_cell(1).load(Ordering::Relaxed), 0);
+    assert!(s.peer_keys().is_empty());
+    assert!(s.workers().is_empty());
+    let len = std::fs::metadata(&t.0).unwrap().len();
+    assert_eq!(len, Layout::new(caps).unwrap().total_size);
+    assert_eq!(Segment::open_existing(&t.0).unwrap().caps(), caps);
+}
+
+#[test]
+fn mismatched_caps_refused_with_live_owner() {
+    let t = TempPath::new("live");
+    {
+        let s = Segment::open_or_create(&t.0, small()).unwrap();
+        s.claim_worker(me(), 0).unwrap();
+        s.global_cell(2).store(11, Ordering::Relaxed);
+    }
+    let bigger = Capacities {
+        peers: 32,
+        ..small()
+    };
+    let err = Segment::open_or_create(&t.0, bigger).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("live process"), "{msg}");
+    assert!(msg.contains(&me().to_string()), "{msg}");
+    // untouched
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    assert_eq!(s.global_cell(2).load(Ordering::Relaxed), 11);
+}
+
+#[test]
+fn short_or_garbage_files() {
+    let t = TempPath::new("garbage");
+    assert!(Segment::open_existing(&t.0).is_err(), "missing file");
+    std::fs::write(&t.0, b"hello").unwrap();
+    assert!(Segment::open_existing(&t.0).is_err(), "short file");
+    std::fs::write(&t.0, vec![0xAB; 4096]).unwrap();
+    let e = Segment::open_existing(&t.0).unwrap_err();
+    assert!(e.to_string().contains("magic"), "{e}");
+    // a garbage file without live owners is simply reinitialised
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    assert!(s.peer_keys().is_empty());
+    drop(s);
+    // a file shorter than its header says is reinitialised too
+    let full = Layout::new(small()).unwrap().total_size;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&t.0)
+        .unwrap()
+        .set_len(full - 64)
+        .unwrap();
+    assert!(Segment::open_existing(&t.0).is_err());
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    assert_eq!(std::fs::metadata(&t.0).unwrap().len(), full);
+    drop(s);
+    // a zero-filled file of the right size has no header, so it is (re)initialised
+    std::fs::write(&t.0, vec![0u8; full as usize]).unwrap();
+    assert!(Segment::open_existing(&t.0).is_err());
+    assert_eq!(
+        Segment::open_or_create(&t.0, small()).unwrap().caps(),
+        small()
+    );
+}
+
+#[test]
+fn two_mappings_see_each_others_writes() {
+    let t = TempPath::new("xmap");
+    let a = Segment::open_or_create(&t.0, small()).unwrap();
+    let b = Segment::open_or_create(&t.0, small()).unwrap();
+    let c = Segment::open_existing(&t.0).unwrap();
+    let pa = a.peer_slot("p").unwrap();
+    assert_eq!(b.find_peer_slot("p"), Some(pa));
+    assert_eq!(c.peer_slot("p"), Some(pa));
+    let wa = a.claim_worker(me(), 0).unwrap();
+    let wb = b.claim_worker(me(), 1).unwrap();
+    assert_ne!(wa, wb);
+    a.inflight_add(wa, pa, 3);
+    b.inflight_add(wb, pa, 4);
+    assert_eq!(c.inflight(pa), 7);
+    b.peer_cell(pa, 0).store(99, Ordering::Relaxed);
+    assert_eq!(a.peer_cell(pa, 0).load(Ordering::Relaxed), 99);
+    assert!(a.try_lease(1, 1000, 100));
+    assert_eq!(c.lease(), (1, 1100));
+    assert!(!b.try_lease(2, 1050, 100));
+    c.ban(pa, 5000);
+    assert!(a.is_banned(pa, 4999));
+    a.release_worker(wa);
+    assert_eq!(b.inflight(pa), 4);
+}
+
+#[test]
+fn concurrent_inserts_one_slot_per_key() {
+    let t = TempPath::new("race");
+    let caps = Capacities {
+        workers: 2,
+        peers: 600,
+        routes: 600,
+    };
+    let seg = Arc::new(Segment::open_or_create(&t.0, caps).unwrap());
+    let keys: Vec<String> = (0..500)
+        .map(|i| format!("10.1.{}.{}:8000", i / 256, i % 256))
+        .collect();
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let seg = Arc::clone(&seg);
+            let mut keys = keys.clone();
+            keys.rotate_left(t * 61);
+            if t % 2 == 1 {
+                keys.reverse();
+            }
+            std::thread::spawn(move || {
+                let mut peers = HashMap::new();
+                let mut routes = HashMap::new();
+                for k in &keys {
+                    peers.insert(k.clone(), seg.peer_slot(k).unwrap());
+                    routes.insert(k.clone(), seg.route_slot(k).unwrap());
+                }
+                (peers, routes)
+            })
+        })
+        .collect();
+    let results: Vec<_> = threads.into_iter().map(|h| h.join().unwrap()).collect();
+    for r in &results[1..] {
+        assert_eq!(r.0, results[0].0);
+        assert_eq!(r.1, results[0].1);
+    }
+    let distinct: HashSet<_> = results[0].0.values().collect();
+    assert_eq!(distinct.len(), 500);
+    let distinct: HashSet<_> = results[0].1.values().collect();
+    assert_eq!(distinct.len(), 500);
+    let listed = seg.peer_keys();
+    assert_eq!(listed.len(), 500);
+    for (slot, key) in listed {
+        assert_eq!(results[0].0[&key], slot);
+    }
+    assert_eq!(seg.route_keys().len(), 500);
+}
+
+#[test]
+fn slot_keys_limits_and_full_table() {
+    let t = TempPath::new("full");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let max = "k".repeat(MAX_KEY_BYTES);
+    let over = "k".repeat(MAX_KEY_BYTES + 1);
+    let p = s.peer_slot(&max).unwrap();
+    assert_eq!(s.peer_keys(), vec![(p, max.clone())]);
+    assert_eq!(s.peer_slot(&over), None);
+    assert_eq!(s.route_slot(&over), None);
+    assert_eq!(s.find_peer_slot(&over), None);
+    assert_eq!(s.find_peer_slot("absent"), None);
+    // keys differing only past the first word, and non-ASCII keys
+    let a = s.peer_slot("same-prefix-a").unwrap();
+    let b = s.peer_slot("same-prefix-b").unwrap();
+    assert_ne!(a, b);
+    let u = s.peer_slot("pëer-ünïcode").unwrap();
+    assert!(s.peer_keys().contains(&(u, "pëer-ünïcode".to_string())));
+    assert_eq!(s.peer_slot(""), s.find_peer_slot(""));
+    // fill the rest of the 16 peer slots
+    let mut slots = HashSet::new();
+    for i in 0.. {
+        match s.peer_slot(&format!("fill-{i}")) {
+            Some(p) => assert!(slots.insert(p)),
+            None => break,
+        }
+    }
+    assert_eq!(s.peer_keys().len(), 16);
+    assert_eq!(s.peer_slot("one-too-many"), None);
+    assert_eq!(s.find_peer_slot("one-too-many"), None);
+    assert_eq!(
+        s.peer_slot(&max),
+        Some(p),
+        "existing keys still found when full"
+    );
+    assert_eq!(s.find_route_slot("r"), None);
+    let r = s.route_slot("r").unwrap();
+    assert_eq!(s.find_route_slot("r"), Some(r));
+}
+
+#[test]
+fn abandoned_slot_write_is_skipped() {
+    let t = TempPath::new("abandon");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let key = "victim";
+    let start = (key_hash(key.as_bytes()) % 16) as usize;
+    let rec = &s.peer_rows()[start].key;
+    // a process died between claiming the slot and publishing it
+    rec.state.store(WRITING, Ordering::Release);
+    rec.writer_pid.store(dead_pid(), Ordering::Release);
+    let p = s.peer_slot(key).unwrap();
+    assert_ne!(p.0 as usize, start);
+    assert_eq!(rec.state.load(Ordering::Acquire), ABANDONED);
+    assert_eq!(s.find_peer_slot(key), Some(p));
+    assert_eq!(s.peer_keys(), vec![(p, key.to_string())]);
+}
+
+#[test]
+fn inflight_sums_across_workers() {
+    let t = TempPath::new("inflight");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let p = s.peer_slot("p").unwrap();
+    let q = s.peer_slot("q").unwrap();
+    let ws: Vec<_> = (0..4).map(|i| s.claim_worker(me(), i).unwrap()).collect();
+    assert!(s.claim_worker(me(), 9).is_err(), "all rows live");
+    assert!(s.claim_worker(0, 0).is_err());
+    for (i, w) in ws.iter().enumerate() {
+        s.inflight_add(*w, p, i as i64 + 1);
+    }
+    assert_eq!(s.inflight(p), 10);
+    assert_eq!(s.inflight(q), 0);
+    s.inflight_add(ws[0], p, -1);
+    assert_eq!(s.inflight_of(ws[0], p), 0);
+    assert_eq!(s.inflight(p), 9);
+    s.inflight_set(ws[1], p, -100);
+    assert_eq!(s.inflight_of(ws[1], p), -100);
+    assert_eq!(s.inflight(p), 0, "negative sums clamp to 0");
+    s.inflight_set(ws[1], p, 2);
+    s.release_worker(ws[3]);
+    assert_eq!(s.inflight(p), 5);
+    assert_eq!(s.workers().len(), 3);
+    s.release_worker(ws[3]); // double release is harmless
+    let again = s.claim_worker(me(), 3).unwrap();
+    assert_eq!(again, ws[3]);
+    assert_eq!(s.inflight_of(again, p), 0, "a claimed row starts at zero");
+    s.heartbeat(again, 777);
+    let rows = s.workers();
+    assert!(rows.contains(&(again, me(), 3, 777)));
+}
+
+#[test]
+fn inflight_concurrent_writers() {
+    let t = TempPath::new("inflight-mt");
+    let s = Arc::new(Segment::open_or_create(&t.0, small()).unwrap());
+    let p = s.peer_slot("p").unwrap();
+    let hs: Vec<_> = (0..4)
+        .map(|i| {
+            let s = Arc::clone(&s);
+            std::thread::spawn(move || {
+                let w = s.claim_worker(me(), i).unwrap();
+                for _ in 0..10_000 {
+                    s.inflight_add(w, p, 1);
+                    let _ = s.inflight(p);
+                    s.inflight_add(w, p, -1);
+                }
+                s.inflight_add(w, p, 1);
+                w
+            })
+        })
+        .collect();
+    let ws: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(s.inflight(p), 4);
+    for w in ws {
+        s.release_worker(w);
+    }
+    assert_eq!(s.inflight(p), 0);
+}
+
+#[test]
+fn dead_rows_are_reclaimed() {
+    let t = TempPath::new("reclaim");
+    let caps = Capacities {
+        workers: 2,
+        ..small()
+    };
+    let s = Segment::open_or_create(&t.0, caps).unwrap();
+    let p = s.peer_slot("p").unwrap();
+    let dead = dead_pid();
+    let wd = s.claim_worker(dead, 5).unwrap();
+    s.inflight_add(wd, p, 5);
+    let wl = s.claim_worker(me(), 6).unwrap();
+    s.inflight_add(wl, p, 1);
+    assert_eq!(s.inflight(p), 6, "counted until reclaimed");
+    assert_eq!(s.reclaim_dead(), 1);
+    assert_eq!(s.reclaim_dead(), 0);
+    assert_eq!(s.inflight(p), 1);
+    assert_eq!(s.inflight_of(wd, p), 0);
+    assert_eq!(s.workers(), vec![(wl, me(), 6, s.workers()[0].3)]);
+
+    // claim_worker reclaims a dead row itself when no row is free
+    let wd = s.claim_worker(dead, 5).unwrap();
+    s.inflight_add(wd, p, 5);
+    let w = s.claim_worker(me(), 7).unwrap();
+    assert_eq!(w, wd);
+    assert_eq!(s.inflight_of(w, p), 0);
+    assert_eq!(s.inflight(p), 1);
+    assert!(s.claim_worker(me(), 8).is_err());
+
+    // a row left mid-reset by a dead process is reclaimable too
+    s.release_worker(w);
+    s.worker_rows()[w.0 as usize]
+        .pid
+        .store(RESETTING | dead, Ordering::Release);
+    assert_eq!(s.inflight(p), 1, "a resetting row is not counted");
+    assert_eq!(s.reclaim_dead(), 1);
+    assert_eq!(s.claim_worker(me(), 9).unwrap(), w);
+}
+
+#[test]
+fn lease_acquire_renew_expire_takeover() {
+    let t = TempPath::new("lease");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    assert_eq!(s.lease(), (0, 0));
+    assert!(!s.try_lease(0, 1000, 100), "holder 0 means none");
+    assert!(s.try_lease(1, 1000, 100));
+    assert_eq!(s.lease(), (1, 1100));
+    assert!(!s.try_lease(2, 1050, 100), "held and not expired");
+    assert!(s.try_lease(1, 1090, 100), "renew");
+    assert_eq!(s.lease(), (1, 1190));
+    assert!(!s.try_lease(2, 1189, 100));
+    assert!(s.try_lease(2, 1190, 100), "expired: takeover");
+    assert_eq!(s.lease(), (2, 1290));
+    assert!(!s.try_lease(1, 1200, 100), "old holder lost it");
+    s.release_lease(1); // not the holder: no effect
+    assert_eq!(s.lease(), (2, 1290));
+    s.release_lease(2);
+    assert_eq!(s.lease(), (0, 0));
+    assert!(s.try_lease(1, 1200, 100), "free after release");
+
+    // a claim marker left by a process that died mid-claim goes stale
+    s.header()
+        .lease_expires
+        .store(LEASE_CLAIMING | 2000, Ordering::Release);
+    assert!(!s.try_lease(3, 2000 + LEASE_CLAIM_STALE_MS, 100));
+    assert!(s.try_lease(3, 2001 + LEASE_CLAIM_STALE_MS, 100));
+    assert_eq!(s.lease(), (3, 2101 + LEASE_CLAIM_STALE_MS));
+}
+
+#[test]
+fn lease_has_one_winner_under_contention() {
+    let t = TempPath::new("lease-mt");
+    let s = Arc::new(Segment::open_or_create(&t.0, small()).unwrap());
+    for round in 0..200u64 {
+        let now = 10_000 + round * 1_000; // every round the previous lease has expired
+        let barrier = Arc::new(std::sync::Barrier::new(8));
+        let hs: Vec<_> = (1..=8u64)
+            .map(|h| {
+                let s = Arc::clone(&s);
+                let barrier = Arc::clone(&barrier);
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    s.try_lease(h, now, 500)
+                })
+            })
+            .collect();
+        let winners: Vec<u64> = hs
+            .into_iter()
+            .zip(1..)
+            .filter_map(|(h, id)| h.join().unwrap().then_some(id))
+            .collect();
+        assert_eq!(winners.len(), 1, "round {round}: {winners:?}");
+        assert_eq!(s.lease(), (winners[0], now + 500));
+    }
+}
+
+#[test]
+fn bans() {
+    let t = TempPath::new("bans");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let p = s.peer_slot("p").unwrap();
+    assert_eq!(s.banned_until_ms(p), 0);
+    assert!(!s.is_banned(p, 0));
+    s.ban(p, 2000);
+    assert!(s.is_banned(p, 1999));
+    assert!(!s.is_banned(p, 2000));
+    s.unban(p);
+    assert_eq!(s.banned_until_ms(p), 0);
+    assert!(!s.is_banned(p, 1000));
+}
+
+#[test]
+#[should_panic]
+fn cell_index_out_of_range_panics() {
+    let t = TempPath::new("oob");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let p = s.peer_slot("p").unwrap();
+    let _ = s.peer_cell(p, PEER_CELLS);
+}
+
+#[test]
+#[should_panic]
+fn peer_slot_out_of_range_panics() {
+    let t = TempPath::new("oob2");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let w = s.claim_worker(me(), 0).unwrap();
+    s.inflight_add(w, PeerSlot(16), 1);
+}
+
+#[test]
+fn now_and_pids() {
+    let a = now_ms();
+    assert!(a > 1_577_836_800_000, "after 2020");
+    assert!(a < 4_102_444_800_000, "before 2100");
+    assert!(now_ms() >= a);
+    assert!(pid_alive(me()));
+    assert!(pid_alive(1), "init exists (EPERM counts as alive)");
+    assert!(!pid_alive(0));
+    assert!(!pid_alive(u32::MAX));
+    assert!(!pid_alive(dead_pid()));
+}
+
+#[test]
+fn segment_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Segment>();
+}
+
+/// Run by `segment_shared_across_processes` in a child process: attach, claim a row, count one
+/// in-flight request, and exit without releasing (as a crash would).
+#[test]
+fn cross_process_child_helper() {
+    let Ok(path) = std::env::var("WARMROUTE_SHM_CHILD_PATH") else {
+        return; // only meaningful in the child
+    };
+    let s = Segment::open_or_create(Path::new(&path), small()).unwrap();
+    let p = s.peer_slot("shared-peer").unwrap();
+    let w = s.claim_worker(me(), 42).unwrap();
+    s.inflight_add(w, p, 3);
+    s.global_cell(5).fetch_add(1, Ordering::Relaxed);
+}
+
+#[test]
+fn segment_shared_across_processes() {
+    let t = TempPath::new("xproc");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let p = s.peer_slot("shared-peer").unwrap();
+    let w = s.claim_worker(me(), 0).unwrap();
+    s.inflight_add(w, p, 1);
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "tests::cross_process_child_helper",
+            "--test-threads=1",
+        ])
+        .env("WARMROUTE_SHM_CHILD_PATH", &t.0)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // the child saw our slot and wrote into the same mapping
+    assert_eq!(s.global_cell(5).load(Ordering::Relaxed), 1);
+    let child_rows: Vec<_> = s.workers().into_iter().filter(|r| r.2 == 42).collect();
+    assert_eq!(child_rows.len(), 1);
+    let child_pid = child_rows[0].1;
+    assert_ne!(child_pid, me());
+    assert!(!pid_alive(child_pid));
+    assert_eq!(
+        s.inflight(p),
+        4,
+        "the dead child's row counts until reclaimed"
+    );
+    assert_eq!(s.reclaim_dead(), 1);
+    assert_eq!(s.inflight(p), 1);
+    assert_eq!(s.peer_keys(), vec![(p, "shared-peer".to_string())]);
+}
+
+#[test]
+fn concurrent_open_initialises_once() {
+    let t = TempPath::new("open-race");
+    let path = Arc::new(t.0.clone());
+    let hs: Vec<_> = (0..8)
+        .map(|i| {
+            let path = Arc::clone(&path);
+            std::thread::spawn(move || {
+                let caps = Capacities {
+                    workers: 8,
+                    ..small()
+                };
+                let s = Segment::open_or_create(&path, caps).unwrap();
+                let w = s.claim_worker(me(), i).unwrap();
+                s.peer_cell(s.peer_slot("x").unwrap(), 0)
+                    .fetch_add(1, Ordering::Relaxed);
+                (s, w)
+            })
+        })
+        .collect();
+    let opened: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+    // had any open reinitialised the file after another claimed a row, a row or a count is lost
+    let s = &opened[0].0;
+    let rows: HashSet<_> = opened.iter().map(|(_, w)| *w).collect();
+    assert_eq!(rows.len(), 8);
+    assert_eq!(s.workers().len(), 8);
+    let x = s.find_peer_slot("x").unwrap();
+    assert_eq!(s.peer_cell(x, 0).load(Ordering::Relaxed), 8);
+}

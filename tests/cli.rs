@@ -1,0 +1,325 @@
+//! The binary as an operator runs it: `check`, `serve` refusing bad config or a taken
+//! port, `status`, SIGHUP reload, SIGTERM drain, and crash recovery of in-flight counts.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const BIN: &str = env!("CARGO_BIN_EXE_warmroute");
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Dir(PathBuf);
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn temp_dir(tag: &str) -> Dir {
+    let p = shm_path(tag);
+    std::fs::create_dir_all(p.join("routes")).unwrap();
+    Dir(p)
+}
+
+struct Proc {
+    child: Child,
+    public: SocketAddr,
+    admin: SocketAddr,
+    shm: PathBuf,
+}
+
+impl Proc {
+    fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    }
+    fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let t0 = Instant::now();
+        while t0.elapsed() < limit {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.shm);
+    }
+}
+
+/// Write a server file into `dir` and return its path.
+fn server_file(dir: &Path, public: u16, admin: u16, shm: &Path) -> PathBuf {
+    let p = dir.join("warmroute.toml");
+    std::fs::write(&p, format!("listen = \"127.0.0.1:{public}\"\nadmin_listen = \"127.0.0.1:{admin}\"\nroutes_dir = \"routes\"\nshm_path = \"{}\"\n", shm.display())).unwrap();
+    p
+}
+
+fn spawn_serve(config: &Path, extra: &[&str]) -> Child {
+    Command::new(BIN)
+        .arg("serve")
+        .arg("--config")
+        .arg(config)
+        .args(["--workers", "2", "--no-pin", "--access-log", "off"])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn start_serve(dir: &Path) -> Proc {
+    let (p, a) = (free_port(), free_port());
+    let shm = dir.join("segment");
+    let cfg = server_file(dir, p, a, &shm);
+    let child = spawn_serve(&cfg, &[]);
+    let public: SocketAddr = format!("127.0.0.1:{p}").parse().unwrap();
+    let admin: SocketAddr = format!("127.0.0.1:{a}").parse().unwrap();
+    // Built before waiting, so a failed start still kills the child.
+    let proc = Proc {
+        child,
+        public,
+        admin,
+        shm,
+    };
+    wait_ready(admin);
+    proc
+}
+
+#[test]
+fn check_reports_every_error_and_serve_refuses() {
+    let d = temp_dir("check");
+    std::fs::write(d.0.join("routes/bad.toml"), "peers = [ { host = \"127.0.0.1\", port = 70000, colour = \"red\" } ]\nmax_more_tries = \"two\"\nsession_afinity = true\n").unwrap();
+    std::fs::write(d.0.join("routes/Bad-Name.toml"), "peers = []\n").unwrap();
+    let cfg = server_file(&d.0, free_port(), free_port(), &d.0.join("seg"));
+    let out = Command::new(BIN)
+        .args(["check", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    for needle in [
+        "bad.toml: peers[0].port",
+        "bad.toml: peers[0].colour",
+        "bad.toml: max_more_tries",
+        "bad.toml: session_afinity",
+        "Bad-Name.toml: name",
+    ] {
+        assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
+    }
+    // serve refuses to start on it, printing the same errors.
+    let out = Command::new(BIN)
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("session_afinity"));
+    // The control: once fixed, check passes.
+    std::fs::remove_file(d.0.join("routes/Bad-Name.toml")).unwrap();
+    std::fs::write(
+        d.0.join("routes/bad.toml"),
+        "peers = [ { host = \"127.0.0.1\", port = 7000 } ]\n",
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["check", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("ok: 1 route(s): bad"));
+}
+
+#[test]
+fn a_second_router_on_the_same_port_is_refused_unless_takeover() {
+    let d = temp_dir("port");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/r.toml"), route_for(&[m.addr()], "")).unwrap();
+    let first = start_serve(&d.0);
+    let cfg = d.0.join("warmroute.toml");
+    let out = Command::new(BIN)
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .args(["--no-pin", "--shm"])
+        .arg(d.0.join("other-seg"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("already served") && err.contains("--takeover"),
+        "{err}"
+    );
+    // The first one is untouched.
+    assert_eq!(
+        request(
+            first.public,
+            &post_json("/r/v1/chat/completions", &chat_body("x", false), "")
+        )
+        .status,
+        200
+    );
+}
+
+#[test]
+fn status_reads_the_segment_of_a_running_router() {
+    let d = temp_dir("status");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/chat.toml"), route_for(&[m.addr()], "")).unwrap();
+    let p = start_serve(&d.0);
+    // Hold one request in flight.
+    let mut s = connect(p.public);
+    s.write_all(&post_json(
+        "/chat/v1/chat/completions",
+        &chat_body("x", true),
+        "x-mock-hang-ms: 3000\r\n",
+    ))
+    .unwrap();
+    eventually(Duration::from_secs(5), "request in the engine", || {
+        m.stats().active == 1
+    });
+    let out = Command::new(BIN)
+        .args(["status", "--shm"])
+        .arg(&p.shm)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let line = text
+        .lines()
+        .find(|l| l.contains(&format!("chat//{}", m.addr())))
+        .unwrap_or_else(|| panic!("peer row missing:\n{text}"));
+    assert_eq!(line.split_whitespace().nth(1), Some("1"), "{line}");
+    drop(s);
+}
+
+#[test]
+fn sighup_reloads_routes_and_keeps_the_old_config_on_errors() {
+    let d = temp_dir("reload");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let p = start_serve(&d.0);
+    // A long stream started before the reload finishes on the old config.
+    let mut s = connect(p.public);
+    s.write_all(&post_json(
+        "/a/v1/chat/completions",
+        &chat_body("x", true),
+        "x-mock-tokens: 10\r\nx-mock-interval-ms: 100\r\n",
+    ))
+    .unwrap();
+    assert_eq!(request(p.public, &get("/b/v1/models")).status, 404);
+    std::fs::write(d.0.join("routes/b.toml"), route_for(&[m.addr()], "")).unwrap();
+    p.signal("HUP");
+    eventually(Duration::from_secs(5), "route b served", || {
+        request(p.public, &get("/b/v1/models")).status == 200
+    });
+    // A broken file: the reload is refused, both routes keep working.
+    std::fs::write(d.0.join("routes/c.toml"), "peers = 7\n").unwrap();
+    p.signal("HUP");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(request(p.public, &get("/b/v1/models")).status, 200);
+    assert_eq!(request(p.public, &get("/c/v1/models")).status, 404);
+    let resp = read_response(&mut BufReader::new(s), false).unwrap();
+    assert_eq!(resp.status, 200);
+    assert!(
+        resp.text().contains("[DONE]"),
+        "the stream survived the reloads"
+    );
+}
+
+#[test]
+fn sigterm_drains_in_flight_streams_then_exits() {
+    let d = temp_dir("drain");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let mut p = start_serve(&d.0);
+    let mut s = connect(p.public);
+    s.write_all(&post_json(
+        "/a/v1/chat/completions",
+        &chat_body("x", true),
+        "x-mock-tokens: 8\r\nx-mock-interval-ms: 100\r\n",
+    ))
+    .unwrap();
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    assert!(line.starts_with("HTTP/1.1 200"));
+    p.signal("TERM");
+    // New connections are refused once the listeners close.
+    eventually(Duration::from_secs(3), "listener closed", || {
+        std::net::TcpStream::connect(p.public).is_err()
+    });
+    let mut rest = String::new();
+    r.read_to_string(&mut rest).unwrap();
+    assert!(
+        rest.contains("[DONE]"),
+        "the stream finished during the drain"
+    );
+    let status = p
+        .wait_exit(Duration::from_secs(10))
+        .expect("router exits after draining");
+    assert!(status.success());
+}
+
+#[test]
+fn a_crashed_router_leaves_no_phantom_in_flight() {
+    let d = temp_dir("crash");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let mut p = start_serve(&d.0);
+    let mut s = connect(p.public);
+    s.write_all(&post_json(
+        "/a/v1/chat/completions",
+        &chat_body("x", true),
+        "x-mock-hang-ms: 10000\r\n",
+    ))
+    .unwrap();
+    eventually(Duration::from_secs(5), "request in the engine", || {
+        m.stats().active == 1
+    });
+    let r = request(p.public, &get("/a/_active_conns"));
+    assert_eq!(r.json()["p0"], 1, "control: the request is counted");
+    p.signal("KILL");
+    p.wait_exit(Duration::from_secs(5)).expect("killed");
+    drop(s);
+    // A new router on the same segment starts with the dead rows reclaimed.
+    let cfg = d.0.join("warmroute.toml");
+    let child = spawn_serve(&cfg, &[]);
+    let q = Proc {
+        child,
+        public: p.public,
+        admin: p.admin,
+        shm: p.shm.clone(),
+    };
+    wait_ready(q.admin);
+    let r = request(q.public, &get("/a/_active_conns"));
+    assert_eq!(r.json()["p0"], 0);
+}
