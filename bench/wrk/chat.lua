@@ -1,0 +1,58 @@
+-- wrk script for warmroute's benchmarks: POST an OpenAI chat/completions JSON body with an
+-- X-Session-ID header rotating over a fixed set of session ids.
+--
+--   wrk -t1 -c32 -d10s --latency -s bench/wrk/chat.lua http://127.0.0.1:PORT -- PATH MODE [SESSIONS]
+--
+-- PATH      request path (e.g. /bench/v1/chat/completions or /v1/chat/completions)
+-- MODE      "json" (non-streaming) or "stream" ("stream":true and Accept: text/event-stream)
+-- SESSIONS  number of rotating session ids (default 64)
+--
+-- The requests are built once per thread in init(); request() only rotates through them.
+-- done() prints one machine-readable line, prefixed "WRKJSON ", with counts and latency
+-- percentiles in microseconds.
+
+local reqs = {}
+local nreqs = 0
+local idx = 0
+
+function init(args)
+  local path = args[1] or "/v1/chat/completions"
+  local stream = (args[2] == "stream")
+  local sessions = tonumber(args[3] or "64")
+  -- wrk.format() does not add Host or Content-Type for us when it is given a header table.
+  local host = wrk.host
+  if wrk.port then
+    host = host .. ":" .. tostring(wrk.port)
+  end
+  for i = 1, sessions do
+    local body = string.format(
+      '{"model":"m","messages":[{"role":"user","content":"bench session %d: reply with eight tokens"}],"max_tokens":8%s}',
+      i, stream and ',"stream":true' or "")
+    local headers = {
+      ["Host"] = host,
+      ["Content-Type"] = "application/json",
+      ["Accept"] = stream and "text/event-stream" or "application/json",
+      ["X-Session-ID"] = string.format("bench-session-%03d", i),
+    }
+    reqs[i] = wrk.format("POST", path, headers, body)
+  end
+  nreqs = sessions
+end
+
+function request()
+  idx = idx % nreqs + 1
+  return reqs[idx]
+end
+
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'WRKJSON {"requests":%d,"duration_us":%d,"bytes":%d,' ..
+    '"errors":{"connect":%d,"read":%d,"write":%d,"status":%d,"timeout":%d},' ..
+    '"latency_us":{"mean":%.1f,"stdev":%.1f,"min":%d,"p50":%d,"p90":%d,"p99":%d,"p999":%d,"max":%d}}\n',
+    summary.requests, summary.duration, summary.bytes,
+    e.connect, e.read, e.write, e.status, e.timeout,
+    latency.mean, latency.stdev, latency.min,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99),
+    latency:percentile(99.9), latency.max))
+end
