@@ -7,7 +7,10 @@
 //! pools peer connections per worker; `admin` answers the endpoints the router serves
 //! itself; `limits` holds every fixed bound.
 pub mod admin;
+pub mod auth;
+pub mod cells;
 pub mod config;
+pub mod control;
 pub mod demo;
 pub mod http;
 pub mod limits;

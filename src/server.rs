@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use warmroute_shm::{Capacities, Segment};
 
+use crate::auth::{load_key_file, KeyFile, KeyFileStatus};
 use crate::config::{self, Config, ConfigError};
 use crate::snapshot::Snapshot;
 use crate::worker::{default_worker_count, AccessLogTarget, StartOptions, Workers};
@@ -99,6 +100,29 @@ impl std::fmt::Display for StartError {
     }
 }
 
+/// Load the key file, logging when authentication is off (fail-open).
+fn load_keys(config: &Config) -> KeyFile {
+    let kf = load_key_file(config.server.api_keys_file.as_deref());
+    let path = kf
+        .path
+        .as_ref()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|| "(none configured)".into());
+    match kf.status {
+        KeyFileStatus::Ok => tracing::info!(path, keys = kf.table.len(), "API keys loaded"),
+        KeyFileStatus::Unreadable => tracing::error!(
+            path,
+            "API key file is present but unreadable: authentication is OFF (fail-open)"
+        ),
+        status => tracing::error!(
+            path,
+            status = status.as_str(),
+            "no API keys: authentication is OFF (fail-open) for routes without their own api_keys"
+        ),
+    }
+    kf
+}
+
 impl Router {
     pub fn start(source: ConfigSource, overrides: Overrides) -> Result<Router, StartError> {
         let config = source.load().map_err(StartError::Config)?;
@@ -119,8 +143,9 @@ impl Router {
         if reclaimed > 0 {
             tracing::info!(rows = reclaimed, "reclaimed worker rows of a dead process");
         }
+        let keys = Arc::new(load_keys(&config));
         let snapshot = Arc::new(
-            Snapshot::build(config.clone(), &seg, 1)
+            Snapshot::build(config.clone(), keys, &seg, 1)
                 .map_err(|e| StartError::Io(io::Error::other(e)))?,
         );
         let workers = match (overrides.workers, server.workers) {
@@ -184,13 +209,15 @@ impl Router {
             fresh.server.shm_path = old.shm_path.clone();
         }
         let fresh = Arc::new(fresh);
-        let snap = Snapshot::build(fresh.clone(), &self.seg, self.generation + 1).map_err(|e| {
-            vec![ConfigError {
-                file: PathBuf::from("(segment)"),
-                field: "peers".into(),
-                message: e,
-            }]
-        })?;
+        let keys = Arc::new(load_keys(&fresh));
+        let snap =
+            Snapshot::build(fresh.clone(), keys, &self.seg, self.generation + 1).map_err(|e| {
+                vec![ConfigError {
+                    file: PathBuf::from("(segment)"),
+                    field: "peers".into(),
+                    message: e,
+                }]
+            })?;
         self.generation += 1;
         self.config = fresh;
         self.workers.publish(Arc::new(snap));

@@ -12,7 +12,9 @@ use std::sync::Arc;
 
 use warmroute_shm::{PeerSlot, RouteSlot, Segment};
 
+use crate::auth::{KeyFile, KeyTable};
 use crate::config::{Config, RouteConfig};
+use crate::pipeline::peer_select::Load;
 
 /// One backend of one pool, as the data path needs it.
 #[derive(Debug)]
@@ -24,6 +26,10 @@ pub struct PeerRt {
     pub priority: i32,
     pub max_concurrency: u32,
     pub slot: PeerSlot,
+    /// Per-peer probe path override.
+    pub probe: Option<String>,
+    /// Stable hash of the address, for rendezvous selection.
+    pub key_hash: u64,
 }
 
 /// A pool: the flat `peers` list, or one `peers_by_model` entry.
@@ -33,17 +39,49 @@ pub struct PoolRt {
     pub peers: Vec<PeerRt>,
 }
 
+impl PoolRt {
+    /// Each peer's load and health as selection sees it, read from the segment.
+    pub fn loads(&self, seg: &Segment, now_ms: u64) -> Vec<Load> {
+        self.peers
+            .iter()
+            .map(|p| Load {
+                inflight: seg.inflight(p.slot),
+                max_concurrency: p.max_concurrency,
+                healthy: !seg.is_banned(p.slot, now_ms),
+                priority: p.priority,
+                key_hash: p.key_hash,
+            })
+            .collect()
+    }
+}
+
 /// A route with its pools and slots.
 #[derive(Debug)]
 pub struct RouteRt {
     pub cfg: Arc<RouteConfig>,
     pub slot: RouteSlot,
     pub pools: Vec<PoolRt>,
+    /// Keys this route accepts: its own `api_keys`, else the key file's. Empty = open.
+    pub keys: Arc<KeyTable>,
+    /// Every model this route serves, sorted (sub-pool keys and `models`).
+    pub models_sorted: Vec<String>,
 }
 
 impl RouteRt {
     pub fn name(&self) -> &str {
         &self.cfg.name
+    }
+
+    /// The pool for a request: the flat pool, or the `peers_by_model` pool of `model`.
+    pub fn pool_for(&self, model: Option<&str>) -> Option<&PoolRt> {
+        match self.pools.as_slice() {
+            [only] if only.model.is_none() => Some(only),
+            pools => model.and_then(|m| pools.iter().find(|p| p.model.as_deref() == Some(m))),
+        }
+    }
+
+    pub fn by_model(&self) -> bool {
+        self.pools.iter().any(|p| p.model.is_some())
     }
 
     /// Every peer of every pool.
@@ -56,6 +94,7 @@ impl RouteRt {
 #[derive(Debug)]
 pub struct Snapshot {
     pub config: Arc<Config>,
+    pub keys: Arc<KeyFile>,
     pub routes: Vec<Arc<RouteRt>>,
     by_name: HashMap<String, usize>,
     pub generation: u64,
@@ -83,7 +122,12 @@ fn shorten_key(key: String) -> String {
 
 impl Snapshot {
     /// Resolve every route and peer to its segment slot.
-    pub fn build(config: Arc<Config>, seg: &Segment, generation: u64) -> Result<Snapshot, String> {
+    pub fn build(
+        config: Arc<Config>,
+        keys: Arc<KeyFile>,
+        seg: &Segment,
+        generation: u64,
+    ) -> Result<Snapshot, String> {
         let mut routes = Vec::with_capacity(config.routes.len());
         let mut by_name = HashMap::with_capacity(config.routes.len());
         for rc in &config.routes {
@@ -109,6 +153,10 @@ impl Snapshot {
                         priority: p.priority,
                         max_concurrency: p.max_concurrency,
                         slot,
+                        probe: p.probe.clone(),
+                        key_hash: crate::pipeline::peer_select::fnv1a64(
+                            p.addr.to_string().as_bytes(),
+                        ),
                     });
                 }
                 pools.push(PoolRt {
@@ -116,15 +164,28 @@ impl Snapshot {
                     peers,
                 });
             }
+            let route_keys = match &rc.opts.api_keys {
+                Some(t) => Arc::new(KeyTable::from_pairs(
+                    t.iter().map(|(k, o)| (k.clone(), o.clone())),
+                )),
+                None => keys.table.clone(),
+            };
+            let mut models_sorted: Vec<String> = rc.models.clone();
+            models_sorted.extend(pools.iter().filter_map(|p| p.model.clone()));
+            models_sorted.sort();
+            models_sorted.dedup();
             by_name.insert(rc.name.clone(), routes.len());
             routes.push(Arc::new(RouteRt {
                 cfg: rc.clone(),
                 slot,
                 pools,
+                keys: route_keys,
+                models_sorted,
             }));
         }
         Ok(Snapshot {
             config,
+            keys,
             routes,
             by_name,
             generation,
@@ -133,6 +194,13 @@ impl Snapshot {
 
     pub fn route(&self, name: &str) -> Option<&Arc<RouteRt>> {
         self.by_name.get(name).map(|&i| &self.routes[i])
+    }
+
+    /// The route serving `model` (for requests without a route prefix).
+    pub fn route_for_model(&self, model: &str) -> Option<&Arc<RouteRt>> {
+        self.routes
+            .iter()
+            .find(|r| r.models_sorted.iter().any(|m| m == model))
     }
 
     pub fn route_names(&self) -> Vec<&str> {

@@ -78,6 +78,11 @@ fn server_file(dir: &Path, public: u16, admin: u16, shm: &Path) -> PathBuf {
 }
 
 fn spawn_serve(config: &Path, extra: &[&str]) -> Child {
+    // The router's log goes next to its config, for reading when a test fails.
+    let n = std::fs::read_dir(config.parent().unwrap())
+        .map(|d| d.count())
+        .unwrap_or(0);
+    let log = std::fs::File::create(config.with_file_name(format!("router-{n}.log"))).unwrap();
     Command::new(BIN)
         .arg("serve")
         .arg("--config")
@@ -85,7 +90,7 @@ fn spawn_serve(config: &Path, extra: &[&str]) -> Child {
         .args(["--workers", "2", "--no-pin", "--access-log", "off"])
         .args(extra)
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
+        .stderr(log)
         .spawn()
         .unwrap()
 }
@@ -104,8 +109,29 @@ fn start_serve(dir: &Path) -> Proc {
         admin,
         shm,
     };
-    wait_ready(admin);
+    wait_ready_or_dump(&proc, dir);
     proc
+}
+
+/// Wait for readiness; on failure, show the router's logs.
+fn wait_ready_or_dump(p: &Proc, dir: &Path) {
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(10) {
+        if try_request(p.admin, &get("/readyz")).is_ok_and(|r| r.status == 200) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        if e.file_name().to_string_lossy().starts_with("router-") {
+            eprintln!(
+                "== {}:\n{}",
+                e.path().display(),
+                std::fs::read_to_string(e.path()).unwrap_or_default()
+            );
+        }
+    }
+    panic!("router not ready");
 }
 
 #[test]
@@ -319,7 +345,7 @@ fn a_crashed_router_leaves_no_phantom_in_flight() {
         admin: p.admin,
         shm: p.shm.clone(),
     };
-    wait_ready(q.admin);
+    wait_ready_or_dump(&q, &d.0);
     let r = request(q.public, &get("/a/_active_conns"));
     assert_eq!(r.json()["p0"], 0);
 }

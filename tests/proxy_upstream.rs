@@ -238,7 +238,11 @@ fn connect_failure_moves_to_another_peer() {
 #[test]
 fn many_concurrent_streams_release_every_inflight() {
     let m = mock("m0");
-    let env = start(&[("r", route_for(&[m.addr()], ""))], "");
+    let route = format!(
+        "peers = [ {{ host = \"127.0.0.1\", port = {}, max_concurrency = 100 }} ]\n",
+        m.addr().port()
+    );
+    let env = start(&[("r", route)], "");
     let addr = env.public();
     let handles: Vec<_> = (0..40)
         .map(|i| {

@@ -2,7 +2,17 @@
 //! per-route debug endpoints (`/<route>/_<name>`). Reads the snapshot and the segment;
 //! writes only through the loopback-only toggles.
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
 use serde_json::{json, Map, Value};
+use warmroute_shm::Segment;
+
+use crate::cells::{self, Relaxed};
+use crate::pipeline::admission;
+use crate::pipeline::peer_select::{self, Affinity};
+use crate::pipeline::session_id::{self, SidOptions};
+use crate::snapshot::{PeerRt, PoolRt};
 
 use crate::http::{status_reason, RequestHead};
 use crate::pipeline::dispatch::Dispatch;
@@ -84,20 +94,20 @@ pub fn answer(
     d: Dispatch<'_>,
     kind: PortKind,
     head: &RequestHead,
-    _body: &[u8],
+    body: &[u8],
     loopback: bool,
 ) -> Response {
     match d {
         Dispatch::Server { endpoint } => server_endpoint(ctx, snap, endpoint, kind),
         Dispatch::Debug { route, endpoint } => match snap.route(route) {
-            Some(r) => route_endpoint(ctx, r, endpoint, head, loopback),
+            Some(r) => route_endpoint(ctx, snap, r, endpoint, head, body, loopback),
             None => Response::error(&ProxyError::NotFound, Some(route)),
         },
         Dispatch::Proxy { route, .. } => Response::error(
             &ProxyError::BadParam("the admin port does not proxy; use the public port".into()),
             Some(route),
         ),
-        Dispatch::UnknownRoute { .. } => Response::error(
+        Dispatch::Bare { .. } | Dispatch::UnknownRoute { .. } => Response::error(
             &ProxyError::UnknownRoute {
                 known: snap.route_names().into_iter().map(String::from).collect(),
             },
@@ -117,6 +127,19 @@ fn server_endpoint(ctx: &WorkerCtx, snap: &Snapshot, endpoint: &str, kind: PortK
             }
         }
         ("/_routes", PortKind::Admin) => Response::json(200, &routes_json(ctx, snap)),
+        ("/v1/models", PortKind::Public) => {
+            let mut models: Vec<(&str, &str)> = snap
+                .routes
+                .iter()
+                .flat_map(|r| r.models_sorted.iter().map(move |m| (m.as_str(), r.name())))
+                .collect();
+            models.sort();
+            let data: Vec<Value> = models
+                .iter()
+                .map(|(m, r)| json!({"id": m, "object": "model", "owned_by": r}))
+                .collect();
+            Response::json(200, &json!({"object": "list", "data": data}))
+        }
         _ => Response::error(
             &ProxyError::UnknownRoute {
                 known: snap.route_names().into_iter().map(String::from).collect(),
@@ -151,14 +174,130 @@ fn routes_json(ctx: &WorkerCtx, snap: &Snapshot) -> Value {
     json!({ "routes": routes, "generation": snap.generation })
 }
 
+/// Toggles and resets answer only these peers: 127.0.0.1 and ::1 (SPEC §8). The socket's
+/// own peer address decides; forwarding headers never count.
+pub fn is_local_admin(addr: std::net::SocketAddr) -> bool {
+    match addr.ip() {
+        std::net::IpAddr::V4(v4) => v4 == std::net::Ipv4Addr::LOCALHOST,
+        std::net::IpAddr::V6(v6) => {
+            v6.is_loopback() || v6.to_ipv4_mapped() == Some(std::net::Ipv4Addr::LOCALHOST)
+        }
+    }
+}
+
+/// `a=b&c=d` with percent-decoding; repeated keys: first wins.
+pub fn query_param(query: Option<&str>, key: &str) -> Option<String> {
+    let q = query?;
+    q.split('&').find_map(|kv| {
+        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+        (percent_decode(k) == key).then(|| percent_decode(v))
+    })
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' if i + 2 < b.len() => {
+                let hex = std::str::from_utf8(&b[i + 1..i + 3])
+                    .ok()
+                    .and_then(|h| u8::from_str_radix(h, 16).ok());
+                match hex {
+                    Some(v) => {
+                        out.push(v);
+                        i += 3;
+                    }
+                    None => {
+                        out.push(b'%');
+                        i += 1;
+                    }
+                }
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            c => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn meta(ctx: &WorkerCtx, snap: &Snapshot, route: &RouteRt) -> Value {
+    let kf = &snap.keys;
+    let _ = ctx;
+    json!({
+        "api_keys_configured": !kf.table.is_empty(),
+        "route_auth_enabled": !route.keys.is_empty(),
+        "key_file_status": kf.status.as_str(),
+    })
+}
+
+fn tier_json(seg: &Segment, pool: &PoolRt, now: u64) -> Value {
+    let loads = pool.loads(seg, now);
+    let active = peer_select::active_tier(&loads);
+    let fig = admission::figures(&loads, 1.0);
+    let mut by_priority: BTreeMap<i32, Vec<usize>> = BTreeMap::new();
+    for (i, l) in loads.iter().enumerate() {
+        by_priority.entry(l.priority).or_default().push(i);
+    }
+    let mut tiers = Map::new();
+    for (prio, idxs) in by_priority.iter().rev() {
+        let healthy = idxs.iter().filter(|&&i| loads[i].healthy).count();
+        tiers.insert(
+            prio.to_string(),
+            json!({
+                "priority": prio,
+                "healthy": healthy,
+                "banned": idxs.len() - healthy,
+                "active": idxs.iter().filter(|&&i| loads[i].healthy).map(|&i| loads[i].inflight).sum::<i64>(),
+                "max": idxs.iter().filter(|&&i| loads[i].healthy).map(|&i| loads[i].max_concurrency as u64).sum::<u64>(),
+                "peers": idxs.iter().map(|&i| json!({
+                    "name": pool.peers[i].name,
+                    "peer": pool.peers[i].addr.to_string(),
+                    "banned": !loads[i].healthy,
+                    "active": loads[i].inflight,
+                    "max": loads[i].max_concurrency,
+                })).collect::<Vec<_>>(),
+            }),
+        );
+    }
+    json!({
+        "active_level": active.unwrap_or(0),
+        "limit": fig.map_or(0, |f| f.limit),
+        "inflight": loads.iter().map(|l| l.inflight).sum::<i64>(),
+        "healthy_peers_in_level": fig.map_or(0, |f| f.healthy_peers),
+        "by_priority": tiers,
+    })
+}
+
+fn reject_counts(seg: &Segment, route: &RouteRt) -> Value {
+    let c = |i| seg.route_cell(route.slot, i).load(Relaxed);
+    json!({
+        "concurrency": c(cells::route::REJECT_CONCURRENCY),
+        "ttft": c(cells::route::REJECT_TTFT),
+        "tps": c(cells::route::REJECT_TPS),
+        "rule": c(cells::route::REJECT_RULE),
+    })
+}
+
 fn route_endpoint(
     ctx: &WorkerCtx,
+    snap: &Snapshot,
     route: &RouteRt,
     endpoint: &str,
-    _head: &RequestHead,
-    _loopback: bool,
+    head: &RequestHead,
+    body: &[u8],
+    loopback: bool,
 ) -> Response {
     let seg = &ctx.shared.seg;
+    let now = warmroute_shm::now_ms();
+    let q = head.query();
     match endpoint {
         "active_conns" => {
             let mut m = Map::new();
@@ -170,6 +309,285 @@ fn route_endpoint(
             }
             Response::json(200, &Value::Object(m))
         }
+        "health_status" => {
+            let mut m = Map::new();
+            for p in route.all_peers() {
+                let until = seg.banned_until_ms(p.slot);
+                let cell = |i| seg.peer_cell(p.slot, i).load(Relaxed);
+                let probe_at = cell(cells::peer::PROBE_AT_MS);
+                m.insert(
+                    p.addr.to_string(),
+                    json!({
+                        "name": p.name,
+                        "active": seg.inflight(p.slot),
+                        "banned": until > now,
+                        "banned_for_s": until.saturating_sub(now) / 1000,
+                        "bans": cell(cells::peer::BANS),
+                        "unbans": cell(cells::peer::UNBANS),
+                        "probes": cell(cells::peer::PROBES),
+                        "last_probe": (probe_at > 0).then(|| json!({
+                            "ago_ms": now.saturating_sub(probe_at),
+                            "latency_ms": cell(cells::peer::PROBE_LATENCY_US) as f64 / 1000.0,
+                            "result": match cell(cells::peer::PROBE_STATUS) { 0 => json!("connect_failed"), 1 => json!("timeout"), 2 => json!("broken"), s => json!(s) },
+                        })),
+                    }),
+                );
+            }
+            m.insert("_meta".into(), meta(ctx, snap, route));
+            if route.all_peers().next().is_none() {
+                m.insert("error".into(), json!("no peers configured"));
+                m.insert("route".into(), json!(route.name()));
+                return Response::json(503, &Value::Object(m));
+            }
+            Response::json(200, &Value::Object(m))
+        }
+        "route_state" => {
+            let mut v = Map::new();
+            v.insert("route".into(), json!(route.name()));
+            if route.by_model() {
+                let pools: Map<String, Value> = route
+                    .pools
+                    .iter()
+                    .map(|p| (p.model.clone().unwrap_or_default(), tier_json(seg, p, now)))
+                    .collect();
+                v.insert("pools".into(), Value::Object(pools));
+            } else if let Some(p) = route.pools.first() {
+                if let Value::Object(t) = tier_json(seg, p, now) {
+                    v.extend(t);
+                }
+            }
+            let c = |i| seg.route_cell(route.slot, i).load(Relaxed);
+            v.insert("requests".into(), json!(c(cells::route::REQUESTS)));
+            v.insert("modes".into(), json!({"hash": c(cells::route::MODE_HASH), "hash_fallback": c(cells::route::MODE_HASH_FALLBACK), "least_conn": c(cells::route::MODE_LEAST_CONN)}));
+            v.insert("retries".into(), json!(c(cells::route::RETRIES)));
+            v.insert("rejected".into(), reject_counts(seg, route));
+            v.insert(
+                "unavailable_503".into(),
+                json!(c(cells::route::UNAVAILABLE)),
+            );
+            v.insert(
+                "unauthorized_401".into(),
+                json!(c(cells::route::UNAUTHORIZED)),
+            );
+            v.insert(
+                "model_not_supported_400".into(),
+                json!(c(cells::route::MODEL_NOT_SUPPORTED)),
+            );
+            Response::json(200, &Value::Object(v))
+        }
+        "route_debug" => {
+            let sid = query_param(q, "sid").unwrap_or_else(|| "default".into());
+            let model = query_param(q, "model");
+            let Some(pool) = route.pool_for(model.as_deref()) else {
+                return Response::json(
+                    200,
+                    &json!({"route": route.name(), "error": "model_not_supported", "model": model, "supported_models": route.models_sorted}),
+                );
+            };
+            let loads = pool.loads(seg, now);
+            let algo = Affinity::from(route.cfg.opts.affinity_hash);
+            let sid_bytes = session_id::hash_bytes(&sid);
+            let natural = peer_select::natural_target(&loads, sid_bytes, algo);
+            let pick = peer_select::select(
+                &loads,
+                route.cfg.opts.session_affinity.then_some(sid_bytes),
+                algo,
+                ctx.random(),
+            );
+            let sid_hash = peer_select::fnv1a64(sid_bytes);
+            let tier = peer_select::active_tier(&loads);
+            let scores: Vec<Value> = pool.peers.iter().enumerate().map(|(i, p)| json!({
+                "idx": i,
+                "name": p.name,
+                "peer": p.addr.to_string(),
+                "priority": p.priority,
+                "in_active_tier": Some(p.priority) == tier,
+                "banned": !loads[i].healthy,
+                "active": loads[i].inflight,
+                "max": loads[i].max_concurrency,
+                "score": match algo {
+                    Affinity::Rendezvous => json!(peer_select::rendezvous_score(sid_hash, p.key_hash)),
+                    Affinity::Crc32Mod => Value::Null,
+                },
+            })).collect();
+            Response::json(
+                200,
+                &json!({
+                    "route": route.name(),
+                    "session_id": sid,
+                    "model": model,
+                    "algorithm": route.cfg.opts.affinity_hash.as_str(),
+                    "crc32": crc32fast::hash(sid_bytes),
+                    "natural_target": natural.map(|i| pool.peers[i].name.clone()),
+                    "natural_banned": natural.map(|i| !loads[i].healthy),
+                    "actual_pick": pick.index().map(|i| pool.peers[i].name.clone()),
+                    "actual_mode": pick.mode(),
+                    "session_affinity_enabled": route.cfg.opts.session_affinity,
+                    "scores": scores,
+                }),
+            )
+        }
+        "route_inspect" => {
+            let fields = session_id::parse_body(body);
+            let opts = SidOptions {
+                session_affinity: route.cfg.opts.session_affinity,
+                body_user_affinity: route.cfg.opts.body_user_affinity,
+            };
+            let (sid, source) = session_id::extract(&head.headers, fields.as_ref(), &opts);
+            let model = fields.as_ref().and_then(|f| f.model.clone());
+            let sid_json = sid.as_ref().map(|s| s.id.clone());
+            let Some(pool) = route.pool_for(model.as_deref()) else {
+                return Response::json(
+                    200,
+                    &json!({"route": route.name(), "session_id": sid_json, "source": source.label(), "error": "model_not_supported", "model": model, "supported_models": route.models_sorted}),
+                );
+            };
+            let loads = pool.loads(seg, now);
+            let choice = peer_select::select(
+                &loads,
+                sid.as_ref().map(|s| session_id::hash_bytes(&s.id)),
+                Affinity::from(route.cfg.opts.affinity_hash),
+                ctx.random(),
+            );
+            let Some(i) = choice.index() else {
+                return Response::error(&ProxyError::NoHealthyPeer, Some(route.name()));
+            };
+            let mut r = Response::json(
+                200,
+                &json!({
+                    "route": route.name(),
+                    "session_id": sid_json,
+                    "source": source.label(),
+                    "model": model,
+                    "mode": choice.mode(),
+                    "pick": pool.peers[i].name,
+                    "peer": pool.peers[i].addr.to_string(),
+                    "active_level": pool.peers[i].priority,
+                }),
+            );
+            r.headers
+                .push(("X-Routed-Active-Level", pool.peers[i].priority.to_string()));
+            r
+        }
+        "429_status" => {
+            let all = query_param(q, "all").as_deref() == Some("1");
+            let scope: Vec<&Arc<RouteRt>> = if all {
+                snap.routes.iter().collect()
+            } else {
+                snap.route(route.name()).into_iter().collect()
+            };
+            if query_param(q, "reset").as_deref() == Some("1") {
+                if !loopback {
+                    return Response::error(
+                        &ProxyError::Forbidden("reset is allowed from loopback only"),
+                        Some(route.name()),
+                    );
+                }
+                for r in &scope {
+                    for i in [
+                        cells::route::REJECT_CONCURRENCY,
+                        cells::route::REJECT_TTFT,
+                        cells::route::REJECT_TPS,
+                        cells::route::REJECT_RULE,
+                    ] {
+                        seg.route_cell(r.slot, i).store(0, Relaxed);
+                    }
+                }
+                return Response::json(
+                    200,
+                    &json!({"reset": true, "scope": if all { "all" } else { route.name() }}),
+                );
+            }
+            let mut by_route = Map::new();
+            let mut totals = [0u64; 4];
+            for r in &scope {
+                let v = reject_counts(seg, r);
+                for (t, k) in totals
+                    .iter_mut()
+                    .zip(["concurrency", "ttft", "tps", "rule"])
+                {
+                    *t += v[k].as_u64().unwrap_or(0);
+                }
+                by_route.insert(r.name().to_string(), v);
+            }
+            Response::json(
+                200,
+                &json!({
+                    "scope": if all { "all" } else { route.name() },
+                    "total": totals.iter().sum::<u64>(),
+                    "by_reason": {"concurrency": totals[0], "ttft": totals[1], "tps": totals[2], "rule": totals[3]},
+                    "by_route": by_route,
+                    "worker_id": ctx.index,
+                }),
+            )
+        }
+        "active_conns_set" => {
+            if !loopback {
+                return Response::error(
+                    &ProxyError::Forbidden("allowed from loopback only"),
+                    Some(route.name()),
+                );
+            }
+            active_conns_set(ctx, route, q)
+        }
         _ => Response::error(&ProxyError::NotFound, Some(route.name())),
+    }
+}
+
+/// Correct in-flight counts by hand. The segment lets a worker write only its own row, so
+/// "set the total to N" writes this worker's row to N minus the other rows' sum.
+fn active_conns_set(ctx: &WorkerCtx, route: &RouteRt, q: Option<&str>) -> Response {
+    let seg = &ctx.shared.seg;
+    let set_total = |slot, total: i64| {
+        let own = seg.inflight_of(ctx.wid, slot);
+        let others = seg.inflight(slot) - own.max(0);
+        seg.inflight_set(ctx.wid, slot, total - others);
+    };
+    let bad = |msg: &str| {
+        Response::json(
+            400,
+            &json!({"ok": false, "route": route.name(), "error": msg}),
+        )
+    };
+    if query_param(q, "flush").as_deref() == Some("1") {
+        for p in route.all_peers() {
+            set_total(p.slot, 0);
+        }
+        return Response::json(
+            200,
+            &json!({"ok": true, "route": route.name(), "action": "flush_all"}),
+        );
+    }
+    let Some(peer) = query_param(q, "peer") else {
+        return bad("need peer=<host:port or name>&value=N | peer=...&delete=1 | flush=1");
+    };
+    let targets: Vec<&PeerRt> = route
+        .all_peers()
+        .filter(|p| p.addr.to_string() == peer || p.name == peer)
+        .collect();
+    if targets.is_empty() {
+        return bad("no such peer on this route");
+    }
+    if query_param(q, "delete").as_deref() == Some("1") {
+        for p in &targets {
+            set_total(p.slot, 0);
+        }
+        return Response::json(
+            200,
+            &json!({"ok": true, "route": route.name(), "action": "delete", "peer": peer}),
+        );
+    }
+    match query_param(q, "value").map(|v| v.parse::<i64>()) {
+        Some(Ok(v)) if v >= 0 => {
+            for p in &targets {
+                set_total(p.slot, v);
+            }
+            Response::json(
+                200,
+                &json!({"ok": true, "route": route.name(), "action": "set", "peer": peer, "value": v}),
+            )
+        }
+        Some(_) => bad("value must be a non-negative integer"),
+        None => bad("need value=N or delete=1"),
     }
 }

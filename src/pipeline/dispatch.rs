@@ -10,6 +10,8 @@ pub enum Dispatch<'a> {
     Debug { route: &'a str, endpoint: &'a str },
     /// A server-wide endpoint (admin port, or `/v1/models` without a route).
     Server { endpoint: &'a str },
+    /// `/v1/...` without a route prefix: the body's `model` picks the route.
+    Bare { target: &'a str },
     /// `/<name>/...` where `<name>` is no route.
     UnknownRoute { name: &'a str },
 }
@@ -50,6 +52,7 @@ pub fn resolve<'a>(target: &'a str, is_route: impl Fn(&str) -> bool) -> Dispatch
         "/healthz" | "/readyz" | "/metrics" | "/_routes" | "/v1/models" => {
             Dispatch::Server { endpoint: path }
         }
+        _ if first == "v1" => Dispatch::Bare { target },
         _ => Dispatch::UnknownRoute { name: first },
     }
 }
@@ -138,6 +141,18 @@ mod tests {
             }
         );
         assert_eq!(r("/nope/v1/x"), Dispatch::UnknownRoute { name: "nope" });
+        assert_eq!(
+            r("/v1/chat/completions?a=1"),
+            Dispatch::Bare {
+                target: "/v1/chat/completions?a=1"
+            }
+        );
+        assert_eq!(
+            r("/v1/models"),
+            Dispatch::Server {
+                endpoint: "/v1/models"
+            }
+        );
         assert_eq!(r("/"), Dispatch::UnknownRoute { name: "" });
     }
 }

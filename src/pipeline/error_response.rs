@@ -10,19 +10,51 @@ pub enum ProxyError {
     BadRequestHead(HeadError),
     HeadTimeout,
     BodyTimeout,
-    BodyTooLarge { limit: u64 },
+    BodyTooLarge {
+        limit: u64,
+    },
     BadChunkedBody,
-    UnknownRoute { known: Vec<String> },
+    UnknownRoute {
+        known: Vec<String>,
+    },
     NotFound,
     NoHealthyPeer,
-    ConnectFailed { peer: String, detail: String },
-    ConnectTimeout { peer: String },
-    UpstreamTimeout { peer: String },
-    BadUpstreamResponse { peer: String, detail: &'static str },
-    UpstreamClosed { peer: String },
+    ConnectFailed {
+        peer: String,
+        detail: String,
+    },
+    ConnectTimeout {
+        peer: String,
+    },
+    UpstreamTimeout {
+        peer: String,
+    },
+    BadUpstreamResponse {
+        peer: String,
+        detail: &'static str,
+    },
+    UpstreamClosed {
+        peer: String,
+    },
     ClientGone,
     Forbidden(&'static str),
     BadParam(String),
+    Unauthorized,
+    ModelNotSupported {
+        model: Option<String>,
+        supported: Vec<String>,
+    },
+    ConcurrencyLimit(ConcurrencyFigures),
+}
+
+/// The figures a concurrency 429 reports.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ConcurrencyFigures {
+    pub limit: u64,
+    pub inflight: i64,
+    pub rt_factor: f64,
+    pub healthy_peers: usize,
+    pub active_level: i32,
 }
 
 impl ProxyError {
@@ -40,6 +72,9 @@ impl ProxyError {
             ProxyError::ConnectTimeout { .. } | ProxyError::UpstreamTimeout { .. } => 504,
             ProxyError::ClientGone => 499,
             ProxyError::Forbidden(_) => 403,
+            ProxyError::Unauthorized => 401,
+            ProxyError::ModelNotSupported { .. } => 400,
+            ProxyError::ConcurrencyLimit(_) => 429,
         }
     }
 
@@ -62,6 +97,9 @@ impl ProxyError {
             ProxyError::ClientGone => "client_gone",
             ProxyError::Forbidden(_) => "forbidden",
             ProxyError::BadParam(_) => "bad_parameter",
+            ProxyError::Unauthorized => "unauthorized",
+            ProxyError::ModelNotSupported { .. } => "model_not_supported",
+            ProxyError::ConcurrencyLimit(_) => "concurrency_limit_exceeded",
         }
     }
 
@@ -91,6 +129,12 @@ impl ProxyError {
             ProxyError::ClientGone => "client closed the connection".into(),
             ProxyError::Forbidden(m) => (*m).into(),
             ProxyError::BadParam(m) => m.clone(),
+            ProxyError::Unauthorized => "missing or invalid api key".into(),
+            ProxyError::ModelNotSupported { model, .. } => match model {
+                Some(m) => format!("model '{m}' is not served here"),
+                None => "the request names no model this route serves".into(),
+            },
+            ProxyError::ConcurrencyLimit(_) => "concurrency limit exceeded".into(),
         }
     }
 
@@ -98,6 +142,7 @@ impl ProxyError {
     pub fn headers(&self) -> &'static [(&'static str, &'static str)] {
         match self {
             ProxyError::NoHealthyPeer => &[("Retry-After", "5")],
+            ProxyError::ConcurrencyLimit(_) => &[("Retry-After", "1")],
             _ => &[],
         }
     }
@@ -129,6 +174,21 @@ impl ProxyError {
             }
             ProxyError::BodyTooLarge { limit } => {
                 err.insert("limit_bytes".into(), json!(limit));
+            }
+            ProxyError::ModelNotSupported { model, supported } => {
+                err.insert("model".into(), json!(model));
+                err.insert("supported_models".into(), json!(supported));
+            }
+            ProxyError::ConcurrencyLimit(f) => {
+                err.insert(
+                    "trigger".into(),
+                    json!(format!("realtime_{}x", f.rt_factor)),
+                );
+                err.insert("limit".into(), json!(f.limit));
+                err.insert("inflight".into(), json!(f.inflight));
+                err.insert("rt_factor".into(), json!(f.rt_factor));
+                err.insert("healthy_peers".into(), json!(f.healthy_peers));
+                err.insert("active_level".into(), json!(f.active_level));
             }
             _ => {}
         }

@@ -35,12 +35,14 @@ fn replaced_by_proxy(name: &str) -> bool {
 
 /// The request head for the peer: method, rewritten target, the client's end-to-end
 /// headers, and the proxy's own (`Host`, `Content-Length`, forwarding headers).
+/// `authorization`, when set (`upstream_api_key`), replaces the client's credentials.
 pub fn build_request_head(
     head: &RequestHead,
     target: &str,
     peer: &PeerRt,
     client: SocketAddr,
     body_len: usize,
+    authorization: Option<&str>,
 ) -> Vec<u8> {
     let mut out = Vec::with_capacity(256 + head.headers.len() * 48);
     out.extend_from_slice(head.method().as_bytes());
@@ -75,6 +77,9 @@ pub fn build_request_head(
     write_header(&mut out, "X-Forwarded-For", &xff);
     write_header(&mut out, "X-Real-IP", ip.as_bytes());
     write_header(&mut out, "X-Forwarded-Proto", b"http");
+    if let Some(a) = authorization {
+        write_header(&mut out, "Authorization", a.as_bytes());
+    }
     if body_len > 0
         || !matches!(head.body, http::BodyFraming::None)
         || matches!(head.method(), "POST" | "PUT" | "PATCH")

@@ -1,16 +1,19 @@
 //! The request lifecycle, one phase per module, composed here only.
 //!
 //! `serve_client` runs a client connection: heads in, one `handle_request` per head.
-//! `proxy` reads top to bottom: body → peer selection → forward (with retries on
-//! connect failures and 502/503) → relay → account. Phase modules never import each
+//! `proxy` reads top to bottom: route, key and body → local answers → pool → session id
+//! → 503 and 429 gates → peer selection → forward (with retries on connect failures and
+//! 502/503) → relay → account. Phase modules never import each
 //! other; this file is the only one that knows the order.
 
+pub mod admission;
 mod client;
 pub mod dispatch;
 pub mod error_response;
 pub mod forward;
 pub mod peer_select;
 pub mod relay;
+pub mod session_id;
 
 use std::net::SocketAddr;
 use std::rc::Rc;
@@ -23,18 +26,23 @@ use monoio::net::TcpStream;
 use serde_json::json;
 use warmroute_shm::{PeerSlot, Segment, WorkerId};
 
+use crate::auth::{self, AuthDecision};
+use crate::cells::{self, Relaxed};
+use crate::control;
 use crate::http::{
     is_hop_by_hop, status_reason, write_header, RequestHead, ResponseFraming, ResponseHead,
 };
 use crate::snapshot::{PeerRt, RouteRt, Snapshot};
 use crate::worker::{PortKind, WorkerCtx};
 
+use admission::Admission;
 use client::{ClientConn, ClientWatch, HeadRead};
 use dispatch::Dispatch;
 use error_response::{json_response, ProxyError};
 use forward::{ExchangeError, Timeouts};
-use peer_select::{Load, PeerChoice};
+use peer_select::{Affinity, PeerChoice};
 use relay::{RelayEnd, RelayPlan, RelayStats};
+use session_id::{BodyFields, SidOptions};
 
 /// Largest body accepted on debug and admin endpoints.
 const ENDPOINT_BODY_BYTES_MAX: u64 = 1024 * 1024;
@@ -130,7 +138,11 @@ async fn handle_request(
                 .route(route)
                 .expect("dispatch only names known routes")
                 .clone();
-            proxy(ctx, conn, head, &snap, route, target).await
+            proxy(ctx, conn, head, &snap, Entry::Route(route, target)).await
+        }
+        (PortKind::Public, Dispatch::Bare { target }) => {
+            let target = target.to_string();
+            proxy(ctx, conn, head, &snap, Entry::Bare(target)).await
         }
         (_, d) => {
             let body = match conn
@@ -140,11 +152,10 @@ async fn handle_request(
                 Ok(b) => b,
                 Err(e) => return refuse(conn, &e, None, false).await,
             };
-            let loopback = conn.addr.ip().is_loopback();
+            let loopback = crate::admin::is_local_admin(conn.addr);
             let resp = crate::admin::answer(ctx, &snap, d, kind, &head, &body, loopback);
             let keep = head.keep_alive && !ctx.drain.is_fired();
-            let resp = resp.into_bytes(keep);
-            conn.write_all_bytes(resp).await.is_ok() && keep
+            conn.write_all_bytes(resp.into_bytes(keep)).await.is_ok() && keep
         }
     }
 }
@@ -157,6 +168,102 @@ async fn refuse(conn: &mut ClientConn, e: &ProxyError, route: Option<&str>, keep
     let keep = keep && !e.closes();
     let resp = json_response(e.status(), &e.body(route), e.headers(), !keep);
     conn.write_all_bytes(resp).await.is_ok() && keep
+}
+
+/// How the request entered: with a route prefix, or bare `/v1/...` routed by model.
+enum Entry {
+    Route(Arc<RouteRt>, String),
+    Bare(String),
+}
+
+/// A request that passed the body-free checks: its route, body and what the body says.
+struct Prepared {
+    route: Arc<RouteRt>,
+    target: String,
+    body: Bytes,
+    fields: Option<BodyFields>,
+    owner: Option<String>,
+}
+
+/// Route, API key and body. Errors come with the route when it is known.
+async fn prepare(
+    ctx: &WorkerCtx,
+    conn: &mut ClientConn,
+    head: &RequestHead,
+    snap: &Snapshot,
+    entry: Entry,
+) -> Result<Prepared, (ProxyError, Option<Arc<RouteRt>>)> {
+    let seg = &ctx.shared.seg;
+    let ceiling = snap.config.server.max_body_size_ceiling;
+    let authorize = |route: &Arc<RouteRt>| match auth::authorize(&head.headers, &route.keys) {
+        AuthDecision::Open => Ok(None),
+        AuthDecision::Allowed(owner) => Ok(Some(owner)),
+        AuthDecision::Denied => {
+            seg.route_cell(route.slot, cells::route::UNAUTHORIZED)
+                .fetch_add(1, Relaxed);
+            Err((ProxyError::Unauthorized, Some(route.clone())))
+        }
+    };
+    match entry {
+        Entry::Route(route, target) => {
+            // The key is checked before the body is read.
+            let owner = authorize(&route)?;
+            let limit = route.cfg.opts.max_body_size.min(ceiling);
+            let body = conn
+                .read_body(head, limit, BODY_READ_TIMEOUT)
+                .await
+                .map_err(|e| (e, Some(route.clone())))?;
+            // The body is parsed once, and only when something needs it: a session id no
+            // header gave, or the model of a sub-pool route.
+            let needs_body = route.by_model() || !session_id::header_decides(&head.headers);
+            let fields = if needs_body {
+                session_id::parse_body(&body)
+            } else {
+                None
+            };
+            Ok(Prepared {
+                route,
+                target,
+                body,
+                fields,
+                owner,
+            })
+        }
+        Entry::Bare(target) => {
+            let body = conn
+                .read_body(head, ceiling, BODY_READ_TIMEOUT)
+                .await
+                .map_err(|e| (e, None))?;
+            let fields = session_id::parse_body(&body);
+            let model = fields.as_ref().and_then(|f| f.model.clone());
+            let Some(route) = model
+                .as_deref()
+                .and_then(|m| snap.route_for_model(m))
+                .cloned()
+            else {
+                let mut supported: Vec<String> = snap
+                    .routes
+                    .iter()
+                    .flat_map(|r| r.models_sorted.iter().cloned())
+                    .collect();
+                supported.sort();
+                supported.dedup();
+                return Err((ProxyError::ModelNotSupported { model, supported }, None));
+            };
+            let owner = authorize(&route)?;
+            let limit = route.cfg.opts.max_body_size.min(ceiling);
+            if body.len() as u64 > limit {
+                return Err((ProxyError::BodyTooLarge { limit }, Some(route)));
+            }
+            Ok(Prepared {
+                route,
+                target,
+                body,
+                fields,
+                owner,
+            })
+        }
+    }
 }
 
 /// How a request was routed, for headers and the access log.
@@ -177,35 +284,160 @@ enum Phase<'a> {
     },
 }
 
-/// Proxy one request to the route's pool.
+/// The model list a `peers_by_model` route answers itself.
+fn model_list(models: &[String]) -> Vec<u8> {
+    let data: Vec<serde_json::Value> = models
+        .iter()
+        .map(|m| json!({"id": m, "object": "model"}))
+        .collect();
+    serde_json::to_vec(&json!({"object": "list", "data": data})).unwrap_or_default()
+}
+
+/// Proxy one request: prepare → local answers → pool → session id → gates → select →
+/// forward with retries → relay → account.
 async fn proxy(
     ctx: &Rc<WorkerCtx>,
     conn: &mut ClientConn,
     head: RequestHead,
     snap: &Arc<Snapshot>,
-    route: Arc<RouteRt>,
-    target: String,
+    entry: Entry,
 ) -> bool {
     let started = Instant::now();
-    let opts = &route.cfg.opts;
-    let server = &snap.config.server;
-    let keep_client = head.keep_alive;
-    // 1. Body, refused before reading when it is too large.
-    let max_body = opts.max_body_size.min(server.max_body_size_ceiling);
-    let body = match conn.read_body(&head, max_body, BODY_READ_TIMEOUT).await {
-        Ok(b) => b,
-        Err(e) => return refuse(conn, &e, Some(route.name()), keep_client).await,
-    };
-    let body_read_at = Instant::now();
+    let keep_client = head.keep_alive && !ctx.drain.is_fired();
     let seg = &*ctx.shared.seg;
-    let pool = &route.pools[0];
+
+    // 1. Route, key (401) and body (413).
+    let p = match prepare(ctx, conn, &head, snap, entry).await {
+        Ok(p) => p,
+        Err((e, route)) => {
+            // A refusal before the body was read leaves it on the wire: close then.
+            let body_unread = matches!(e, ProxyError::Unauthorized)
+                && head.body != crate::http::BodyFraming::None;
+            return refuse(
+                conn,
+                &e,
+                route.as_ref().map(|r| r.name()),
+                keep_client && !body_unread,
+            )
+            .await;
+        }
+    };
+    let route = &p.route;
+    let opts = &route.cfg.opts;
+    let rcell = |i: usize| seg.route_cell(route.slot, i);
+    rcell(cells::route::REQUESTS).fetch_add(1, Relaxed);
+    let body_read_at = Instant::now();
+    let model = p.fields.as_ref().and_then(|f| f.model.as_deref());
+    let upstream_path = p.target.split('?').next().unwrap_or("");
+
+    // 2. A sub-pool route lists its models itself.
+    if route.by_model() && upstream_path == "/v1/models" {
+        let body = model_list(&route.models_sorted);
+        let mut out = format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        )
+        .into_bytes();
+        if !keep_client {
+            out.extend_from_slice(b"Connection: close\r\n");
+        }
+        out.extend_from_slice(b"\r\n");
+        out.extend_from_slice(&body);
+        return conn.write_all_bytes(out).await.is_ok() && keep_client;
+    }
+
+    // 3. The pool (400 for a model no sub-pool serves).
+    let Some(pool) = route.pool_for(model) else {
+        rcell(cells::route::MODEL_NOT_SUPPORTED).fetch_add(1, Relaxed);
+        let e = ProxyError::ModelNotSupported {
+            model: model.map(String::from),
+            supported: route.models_sorted.clone(),
+        };
+        return refuse(conn, &e, Some(route.name()), keep_client).await;
+    };
+
+    // 4. Session id.
+    let sid_opts = SidOptions {
+        session_affinity: opts.session_affinity,
+        body_user_affinity: opts.body_user_affinity,
+    };
+    let (sid, source) = session_id::extract(&head.headers, p.fields.as_ref(), &sid_opts);
+
+    // 5. Loads, then the 503 and concurrency gates (a client's GET /v1/models is exempt
+    //    from the 429 gate, being the backends' own health probe).
+    let now_ms = warmroute_shm::now_ms();
+    let loads = pool.loads(seg, now_ms);
+    let Some(fig) = admission::figures(&loads, opts.rt_limit_factor) else {
+        rcell(cells::route::UNAVAILABLE).fetch_add(1, Relaxed);
+        return refuse(
+            conn,
+            &ProxyError::NoHealthyPeer,
+            Some(route.name()),
+            keep_client,
+        )
+        .await;
+    };
+    if upstream_path != "/v1/models" {
+        if let Admission::Shed(f) = admission::concurrency_gate(&fig) {
+            rcell(cells::route::REJECT_CONCURRENCY).fetch_add(1, Relaxed);
+            return refuse(
+                conn,
+                &ProxyError::ConcurrencyLimit(f),
+                Some(route.name()),
+                keep_client,
+            )
+            .await;
+        }
+    }
+
+    // 6. Select, and line up the retry targets.
+    let algo = Affinity::from(opts.affinity_hash);
+    let choice = peer_select::select(
+        &loads,
+        sid.as_ref().map(|s| session_id::hash_bytes(&s.id)),
+        algo,
+        ctx.random(),
+    );
+    let Some(first) = choice.index() else {
+        rcell(cells::route::UNAVAILABLE).fetch_add(1, Relaxed);
+        return refuse(
+            conn,
+            &ProxyError::NoHealthyPeer,
+            Some(route.name()),
+            keep_client,
+        )
+        .await;
+    };
+    rcell(match choice {
+        PeerChoice::Hash(_) => cells::route::MODE_HASH,
+        PeerChoice::HashFallback(_) => cells::route::MODE_HASH_FALLBACK,
+        _ => cells::route::MODE_LEAST_CONN,
+    })
+    .fetch_add(1, Relaxed);
+    let mut attempts = vec![first];
+    attempts.extend(
+        peer_select::fallback_order(&loads, first, opts.cross_tier_fallback)
+            .into_iter()
+            .take(opts.max_more_tries as usize),
+    );
+    let mode = choice.mode();
     let timeouts = Timeouts {
         connect: Duration::from_millis(opts.connect_timeout_ms),
         first_byte: Duration::from_millis(opts.first_byte_timeout_ms),
     };
     let head_request = head.method() == "HEAD";
+    let authorization = opts
+        .upstream_api_key
+        .as_ref()
+        .map(|k| format!("Bearer {k}"));
+    let routing = RoutingHeaders {
+        expose: opts.expose_routed_headers,
+        session: session_id::header_value(sid.as_ref().map(|s| s.id.as_str())),
+        source: source.label(),
+        mode,
+    };
 
-    // 2. From here on a pending read watches the client: if it leaves, the upstream is
+    // 7. From here on a pending read watches the client: if it leaves, the upstream is
     //    closed at once. The block scopes the read's borrow of the connection.
     let (phase, pipelined) = {
         let canceller = monoio::io::Canceller::new();
@@ -215,112 +447,120 @@ async fn proxy(
         let mut watch_fut = std::pin::pin!(watch_fut);
         let mut watch = ClientWatch::new(watch_fut.as_mut());
 
-        // 3. Select, forward, retry on connect failures and 502/503 before anything was sent.
-        let mut tried: Vec<usize> = Vec::new();
-        let mut retries = 0u32;
-        let max_tries = 1 + opts.max_more_tries as usize;
-        let outcome = loop {
-            let now_ms = warmroute_shm::now_ms();
-            let loads: Vec<Load> = pool
-                .peers
-                .iter()
-                .enumerate()
-                .map(|(i, p)| Load {
-                    inflight: seg.inflight(p.slot),
-                    max_concurrency: p.max_concurrency,
-                    healthy: !tried.contains(&i) && !seg.is_banned(p.slot, now_ms),
-                })
-                .collect();
-            let idx = match peer_select::least_conn(&loads, ctx.random()) {
-                PeerChoice::LeastConn(i) => i,
-                PeerChoice::NoHealthyPeer => break Err((ProxyError::NoHealthyPeer, None)),
-            };
-            tried.push(idx);
+        // 8. Forward; retry on connect failures and 502/503 while nothing reached the client.
+        let mut outcome = None;
+        for (n, &idx) in attempts.iter().enumerate() {
             let peer = &pool.peers[idx];
+            let retries = n as u32;
+            let last = n + 1 == attempts.len();
             let inflight = Inflight::acquire(seg, ctx.wid, peer.slot);
-            let up_head = forward::build_request_head(&head, &target, peer, conn.addr, body.len());
+            seg.peer_cell(peer.slot, cells::peer::REQUESTS)
+                .fetch_add(1, Relaxed);
+            if n > 0 {
+                rcell(cells::route::RETRIES).fetch_add(1, Relaxed);
+            }
+            let up_head = forward::build_request_head(
+                &head,
+                &p.target,
+                peer,
+                conn.addr,
+                p.body.len(),
+                authorization.as_deref(),
+            );
             let res = forward::exchange(
                 &ctx.upstreams,
                 peer,
                 Bytes::from(up_head),
-                body.clone(),
+                p.body.clone(),
                 head_request,
                 &timeouts,
                 &mut watch,
             )
             .await;
-            let last = tried.len() >= max_tries;
+            let routed = Routed {
+                peer,
+                mode,
+                retries,
+            };
             let fail = |e: ProxyError| {
-                Err((
+                Some(Err((
                     e,
                     Some(Routed {
                         peer,
-                        mode: "least_conn",
+                        mode,
                         retries,
                     }),
-                ))
+                )))
             };
             match res {
                 Ok(ex) if matches!(ex.head.status, 502 | 503) && !last => {
-                    retries += 1;
-                    drop(inflight);
+                    seg.peer_cell(peer.slot, cells::peer::FAILURES)
+                        .fetch_add(1, Relaxed);
+                    tracing::warn!(route = route.name(), peer = %peer.name, status = ex.head.status, "peer answered 5xx; trying another peer");
+                    continue;
                 }
                 Ok(ex) => {
-                    break Ok((
-                        ex,
-                        Routed {
-                            peer,
-                            mode: "least_conn",
-                            retries,
+                    outcome = Some(Ok((ex, routed, inflight)));
+                    break;
+                }
+                Err(ExchangeError::ClientGone) => {
+                    outcome = fail(ProxyError::ClientGone);
+                    break;
+                }
+                Err(e) if e.is_connect() => {
+                    seg.peer_cell(peer.slot, cells::peer::FAILURES)
+                        .fetch_add(1, Relaxed);
+                    control::health::ban_on_connect_failure(ctx, route, peer);
+                    if !last {
+                        tracing::warn!(route = route.name(), peer = %peer.name, error = ?e, "connect failed; trying another peer");
+                        continue;
+                    }
+                    outcome = fail(match e {
+                        ExchangeError::ConnectTimeout => ProxyError::ConnectTimeout {
+                            peer: peer.name.clone(),
                         },
-                        inflight,
-                    ))
-                }
-                Err(ExchangeError::ClientGone) => break fail(ProxyError::ClientGone),
-                Err(e) if e.is_connect() && !last => {
-                    tracing::warn!(route = route.name(), peer = %peer.name, error = ?e, "connect failed; trying another peer");
-                    retries += 1;
-                }
-                Err(ExchangeError::ConnectTimeout) => {
-                    break fail(ProxyError::ConnectTimeout {
-                        peer: peer.name.clone(),
-                    })
-                }
-                Err(ExchangeError::Connect(io)) => {
-                    break fail(ProxyError::ConnectFailed {
-                        peer: peer.name.clone(),
-                        detail: io.to_string(),
-                    })
+                        ExchangeError::Connect(io) => ProxyError::ConnectFailed {
+                            peer: peer.name.clone(),
+                            detail: io.to_string(),
+                        },
+                        _ => unreachable!("is_connect covers exactly these"),
+                    });
+                    break;
                 }
                 Err(ExchangeError::Timeout) => {
-                    break fail(ProxyError::UpstreamTimeout {
+                    outcome = fail(ProxyError::UpstreamTimeout {
                         peer: peer.name.clone(),
                     })
                 }
                 Err(ExchangeError::Closed) => {
-                    break fail(ProxyError::UpstreamClosed {
+                    outcome = fail(ProxyError::UpstreamClosed {
                         peer: peer.name.clone(),
                     })
                 }
                 Err(ExchangeError::Bad(d)) => {
-                    break fail(ProxyError::BadUpstreamResponse {
+                    outcome = fail(ProxyError::BadUpstreamResponse {
                         peer: peer.name.clone(),
                         detail: d,
                     })
                 }
+                Err(ExchangeError::Connect(_) | ExchangeError::ConnectTimeout) => {
+                    unreachable!("handled above")
+                }
             }
-        };
+            break;
+        }
+        let outcome = outcome.unwrap_or(Err((ProxyError::NoHealthyPeer, None)));
 
-        // 4. Relay the response.
+        // 9. Relay the response.
         match outcome {
             Err((e, routed)) => (Phase::Failed(e, routed), watch.finish(canceller).await),
             Ok((mut ex, routed, inflight)) => {
                 let dechunk =
                     head.minor_version == 0 && ex.head.framing == ResponseFraming::Chunked;
                 let body_closes = ex.head.framing == ResponseFraming::UntilClose || dechunk;
-                let keep = keep_client && !body_closes && !ctx.drain.is_fired();
+                let keep = keep_client && !body_closes;
                 let mut out = std::mem::take(&mut ex.interim);
-                client_head(&mut out, &ex.head, &head, &routed, keep, dechunk);
+                client_head(&mut out, &ex.head, &head, &routing, &routed, keep, dechunk);
                 let plan = RelayPlan {
                     framing: ex.head.framing,
                     dechunk,
@@ -371,13 +611,7 @@ async fn proxy(
     }
     let (status, keep, stats, routed) = match phase {
         Phase::Failed(e, routed) => {
-            let keep = refuse(
-                conn,
-                &e,
-                Some(route.name()),
-                keep_client && !ctx.drain.is_fired(),
-            )
-            .await;
+            let keep = refuse(conn, &e, Some(route.name()), keep_client).await;
             (e.status(), keep, RelayStats::default(), routed)
         }
         Phase::Relayed {
@@ -389,16 +623,29 @@ async fn proxy(
     };
     access_log(
         ctx,
-        &route,
-        &head,
-        status,
-        routed.as_ref(),
-        body.len(),
-        &stats,
-        body_read_at,
-        started,
+        &AccessEntry {
+            route,
+            head: &head,
+            status,
+            routed: routed.as_ref(),
+            session: &routing.session,
+            source: &routing.source,
+            owner: p.owner.as_deref(),
+            req_bytes: p.body.len(),
+            stats: &stats,
+            body_read_at,
+            started,
+        },
     );
     keep
+}
+
+/// The `X-Routed-*` values of a request.
+struct RoutingHeaders {
+    expose: bool,
+    session: String,
+    source: std::borrow::Cow<'static, str>,
+    mode: &'static str,
 }
 
 /// The response head for the client: the peer's status and end-to-end headers, the
@@ -407,6 +654,7 @@ fn client_head(
     out: &mut Vec<u8>,
     up: &ResponseHead,
     req: &RequestHead,
+    routing: &RoutingHeaders,
     routed: &Routed<'_>,
     keep: bool,
     dechunk: bool,
@@ -431,17 +679,23 @@ fn client_head(
         if dechunk && name.eq_ignore_ascii_case("transfer-encoding") {
             continue;
         }
+        // A peer's own routing headers never reach the client: ours describe this hop.
+        if name.len() > 9 && name[..9].eq_ignore_ascii_case("x-routed-") {
+            continue;
+        }
         write_header(out, name, value);
     }
-    write_header(out, "X-Routed-Session", b"-");
-    write_header(out, "X-Routed-Source", b"none");
-    write_header(out, "X-Routed-Mode", routed.mode.as_bytes());
-    write_header(out, "X-Routed-Peer", routed.peer.name.as_bytes());
-    write_header(
-        out,
-        "X-Routed-Retries",
-        routed.retries.to_string().as_bytes(),
-    );
+    if routing.expose {
+        write_header(out, "X-Routed-Session", routing.session.as_bytes());
+        write_header(out, "X-Routed-Source", routing.source.as_bytes());
+        write_header(out, "X-Routed-Mode", routing.mode.as_bytes());
+        write_header(out, "X-Routed-Peer", routed.peer.name.as_bytes());
+        write_header(
+            out,
+            "X-Routed-Retries",
+            routed.retries.to_string().as_bytes(),
+        );
+    }
     if !keep {
         out.extend_from_slice(b"Connection: close\r\n");
     } else if req.minor_version == 0 {
@@ -450,40 +704,47 @@ fn client_head(
     out.extend_from_slice(b"\r\n");
 }
 
-#[allow(clippy::too_many_arguments)]
-fn access_log(
-    ctx: &WorkerCtx,
-    route: &RouteRt,
-    head: &RequestHead,
+/// One access-log line's inputs.
+struct AccessEntry<'a> {
+    route: &'a RouteRt,
+    head: &'a RequestHead,
     status: u16,
-    routed: Option<&Routed<'_>>,
+    routed: Option<&'a Routed<'a>>,
+    session: &'a str,
+    source: &'a str,
+    owner: Option<&'a str>,
     req_bytes: usize,
-    stats: &RelayStats,
+    stats: &'a RelayStats,
     body_read_at: Instant,
     started: Instant,
-) {
+}
+
+fn access_log(ctx: &WorkerCtx, e: &AccessEntry<'_>) {
     let mut log = ctx.access_log.borrow_mut();
     if !log.enabled() {
         return;
     }
-    let ttft_ms = stats
+    let ttft_ms = e
+        .stats
         .first_body_at
-        .map(|t| t.duration_since(body_read_at).as_secs_f64() * 1000.0);
+        .map(|t| t.duration_since(e.body_read_at).as_secs_f64() * 1000.0);
+    // The session id as sent in X-Routed-Session: sanitised and cut to 128 bytes.
     log.line(&json!({
         "ts": warmroute_shm::now_ms() as f64 / 1000.0,
-        "route": route.name(),
-        "method": head.method(),
-        "path": head.path(),
-        "status": status,
-        "session": "-",
-        "source": "none",
-        "mode": routed.map(|r| r.mode),
-        "peer": routed.map(|r| r.peer.name.as_str()),
-        "retries": routed.map_or(0, |r| r.retries),
-        "request_bytes": req_bytes,
-        "response_bytes": stats.body_bytes,
+        "route": e.route.name(),
+        "method": e.head.method(),
+        "path": e.head.path(),
+        "status": e.status,
+        "session": e.session,
+        "source": e.source,
+        "mode": e.routed.map(|r| r.mode),
+        "peer": e.routed.map(|r| r.peer.name.as_str()),
+        "retries": e.routed.map_or(0, |r| r.retries),
+        "request_bytes": e.req_bytes,
+        "response_bytes": e.stats.body_bytes,
         "ttft_ms": ttft_ms,
-        "total_ms": started.elapsed().as_secs_f64() * 1000.0,
+        "total_ms": e.started.elapsed().as_secs_f64() * 1000.0,
+        "owner": e.owner,
         "worker": ctx.index,
     }));
 }

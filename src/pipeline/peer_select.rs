@@ -1,63 +1,208 @@
-//! Peer selection. Pure: peers, their loads and a random number in, a decision out.
+//! Peer selection. Pure: candidates, their loads, the session id and a random number in;
+//! a decision out. No IO, no clock.
 //!
-//! For now: least connections by in-flight / max_concurrency over the pool's healthy
-//! peers, ties broken at random. Session affinity comes with the routing policy.
+//! - Candidates are the peers of the active tier: the highest priority with a healthy peer.
+//! - With a session id, `crc32_mod` picks `crc32(sid) % n` over the tier in file order
+//!   (banned peers included, so a ban moves only the banned peer's sessions);
+//!   `rendezvous` picks the highest hash of (sid, peer) over the tier, so adding or
+//!   removing a peer moves only ~1/n of the sessions. If that peer is banned or at its
+//!   `max_concurrency`, least connections over the tier's healthy peers picks instead.
+//! - Without one: least connections by in-flight / max_concurrency, ties at random.
 
-/// What selection decided.
+use std::cmp::Ordering;
+
+/// What selection decided; the index is into the pool's peer list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PeerChoice {
+    Hash(usize),
+    HashFallback(usize),
     LeastConn(usize),
     NoHealthyPeer,
 }
 
-/// One candidate as selection sees it.
+impl PeerChoice {
+    pub fn index(&self) -> Option<usize> {
+        match *self {
+            PeerChoice::Hash(i) | PeerChoice::HashFallback(i) | PeerChoice::LeastConn(i) => Some(i),
+            PeerChoice::NoHealthyPeer => None,
+        }
+    }
+    pub fn mode(&self) -> &'static str {
+        match self {
+            PeerChoice::Hash(_) => "hash",
+            PeerChoice::HashFallback(_) => "hash_fallback",
+            PeerChoice::LeastConn(_) | PeerChoice::NoHealthyPeer => "least_conn",
+        }
+    }
+}
+
+/// One peer as selection sees it.
 #[derive(Debug, Clone, Copy)]
 pub struct Load {
     pub inflight: i64,
     pub max_concurrency: u32,
     pub healthy: bool,
+    pub priority: i32,
+    /// Stable per-peer hash (of its address) for rendezvous.
+    pub key_hash: u64,
 }
 
-/// Index of the least-loaded healthy peer; `random` breaks ties uniformly.
-pub fn least_conn(loads: &[Load], random: u64) -> PeerChoice {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Affinity {
+    Crc32Mod,
+    Rendezvous,
+}
+
+impl From<crate::config::AffinityHash> for Affinity {
+    fn from(h: crate::config::AffinityHash) -> Affinity {
+        match h {
+            crate::config::AffinityHash::Crc32Mod => Affinity::Crc32Mod,
+            crate::config::AffinityHash::Rendezvous => Affinity::Rendezvous,
+        }
+    }
+}
+
+/// Highest priority that has a healthy peer.
+pub fn active_tier(loads: &[Load]) -> Option<i32> {
+    loads.iter().filter(|l| l.healthy).map(|l| l.priority).max()
+}
+
+/// Compare load ratios inflight/max exactly (cross products).
+fn ratio_cmp(a: &Load, b: &Load) -> Ordering {
+    let lhs = a.inflight.max(0) as u128 * b.max_concurrency.max(1) as u128;
+    let rhs = b.inflight.max(0) as u128 * a.max_concurrency.max(1) as u128;
+    lhs.cmp(&rhs)
+}
+
+/// Least loaded among `loads` whose index passes `allow`; ties broken uniformly at random.
+pub fn least_conn_where(
+    loads: &[Load],
+    random: u64,
+    allow: impl Fn(usize, &Load) -> bool,
+) -> Option<usize> {
     let mut best: Option<usize> = None;
     let mut ties = 0u64;
     let mut rnd = random;
     for (i, l) in loads.iter().enumerate() {
-        if !l.healthy {
+        if !allow(i, l) {
             continue;
         }
-        let ord = match best {
-            None => std::cmp::Ordering::Less,
-            // inflight/max compared as a cross product, exact in integers.
-            Some(b) => {
-                let lhs = l.inflight.max(0) as u128 * loads[b].max_concurrency.max(1) as u128;
-                let rhs = loads[b].inflight.max(0) as u128 * l.max_concurrency.max(1) as u128;
-                lhs.cmp(&rhs)
-            }
-        };
-        match ord {
-            std::cmp::Ordering::Less => {
+        match best.map_or(Ordering::Less, |b| ratio_cmp(l, &loads[b])) {
+            Ordering::Less => {
                 best = Some(i);
                 ties = 1;
             }
-            std::cmp::Ordering::Equal => {
-                // Reservoir sampling: each tied peer ends up chosen with equal chance.
+            Ordering::Equal => {
+                // Reservoir sampling: the k-th tied peer replaces the pick with chance 1/k.
                 ties += 1;
                 rnd = rnd
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
                 if (rnd >> 33).is_multiple_of(ties) {
                     best = Some(i);
                 }
             }
-            std::cmp::Ordering::Greater => {}
+            Ordering::Greater => {}
         }
     }
-    match best {
-        None => PeerChoice::NoHealthyPeer,
+    best
+}
+
+/// Least connections over the healthy peers of the active tier.
+pub fn least_conn(loads: &[Load], random: u64) -> PeerChoice {
+    let Some(tier) = active_tier(loads) else {
+        return PeerChoice::NoHealthyPeer;
+    };
+    match least_conn_where(loads, random, |_, l| l.healthy && l.priority == tier) {
         Some(i) => PeerChoice::LeastConn(i),
+        None => PeerChoice::NoHealthyPeer,
     }
+}
+
+/// splitmix64 finaliser: spreads a 64-bit value over all bits.
+pub fn mix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// 64-bit FNV-1a, for peer keys and rendezvous session hashes.
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01B3);
+    }
+    h
+}
+
+/// Rendezvous score of one peer for a session (higher wins).
+pub fn rendezvous_score(sid_hash: u64, key_hash: u64) -> u64 {
+    mix64(sid_hash ^ mix64(key_hash))
+}
+
+/// The peer a session maps to inside the active tier, banned or not ("natural target").
+pub fn natural_target(loads: &[Load], sid: &[u8], algo: Affinity) -> Option<usize> {
+    let tier = active_tier(loads)?;
+    let tier_peers: Vec<usize> = (0..loads.len())
+        .filter(|&i| loads[i].priority == tier)
+        .collect();
+    match algo {
+        Affinity::Crc32Mod => {
+            let h = crc32fast::hash(sid) as usize;
+            Some(tier_peers[h % tier_peers.len()])
+        }
+        Affinity::Rendezvous => {
+            let s = fnv1a64(sid);
+            tier_peers
+                .into_iter()
+                .max_by_key(|&i| (rendezvous_score(s, loads[i].key_hash), std::cmp::Reverse(i)))
+        }
+    }
+}
+
+/// Full selection for a request.
+pub fn select(loads: &[Load], sid: Option<&[u8]>, algo: Affinity, random: u64) -> PeerChoice {
+    let Some(sid) = sid else {
+        return least_conn(loads, random);
+    };
+    let Some(target) = natural_target(loads, sid, algo) else {
+        return PeerChoice::NoHealthyPeer;
+    };
+    let t = &loads[target];
+    if t.healthy && t.inflight < t.max_concurrency as i64 {
+        return PeerChoice::Hash(target);
+    }
+    match least_conn(loads, random) {
+        PeerChoice::LeastConn(i) => PeerChoice::HashFallback(i),
+        other => other,
+    }
+}
+
+/// Retry targets after `chosen` failed: the other healthy peers of its tier, least loaded
+/// first; with `cross_tier` also the least-loaded healthy peer of each lower tier.
+pub fn fallback_order(loads: &[Load], chosen: usize, cross_tier: bool) -> Vec<usize> {
+    let tier = loads[chosen].priority;
+    let mut same: Vec<usize> = (0..loads.len())
+        .filter(|&i| i != chosen && loads[i].healthy && loads[i].priority == tier)
+        .collect();
+    same.sort_by(|&a, &b| ratio_cmp(&loads[a], &loads[b]).then(a.cmp(&b)));
+    if cross_tier {
+        let mut lower: Vec<i32> = loads
+            .iter()
+            .filter(|l| l.healthy && l.priority < tier)
+            .map(|l| l.priority)
+            .collect();
+        lower.sort_unstable_by(|a, b| b.cmp(a));
+        lower.dedup();
+        for p in lower {
+            if let Some(i) = least_conn_where(loads, 0, |_, l| l.healthy && l.priority == p) {
+                same.push(i);
+            }
+        }
+    }
+    same
 }
 
 #[cfg(test)]
@@ -69,16 +214,26 @@ mod tests {
             inflight,
             max_concurrency: max,
             healthy: true,
+            priority: 0,
+            key_hash: 0,
         }
     }
 
+    fn pool(n: usize) -> Vec<Load> {
+        (0..n)
+            .map(|i| Load {
+                key_hash: fnv1a64(format!("10.0.0.{i}:8000").as_bytes()),
+                ..l(0, 10)
+            })
+            .collect()
+    }
+
     #[test]
-    fn picks_lowest_ratio() {
+    fn least_conn_picks_lowest_ratio_in_the_active_tier() {
         assert_eq!(
             least_conn(&[l(3, 10), l(1, 10), l(2, 10)], 0),
             PeerChoice::LeastConn(1)
         );
-        // 2/20 < 1/5
         assert_eq!(
             least_conn(&[l(1, 5), l(2, 20)], 0),
             PeerChoice::LeastConn(1)
@@ -88,23 +243,147 @@ mod tests {
         assert_eq!(least_conn(&[banned, l(5, 10)], 0), PeerChoice::LeastConn(1));
         assert_eq!(least_conn(&[banned], 0), PeerChoice::NoHealthyPeer);
         assert_eq!(least_conn(&[], 0), PeerChoice::NoHealthyPeer);
+        // A busy higher tier still takes everything; a lower tier only when it is all banned.
+        let mut low = l(0, 10);
+        low.priority = -1;
+        assert_eq!(least_conn(&[l(9, 10), low], 0), PeerChoice::LeastConn(0));
+        let mut hi = l(0, 10);
+        hi.healthy = false;
+        assert_eq!(least_conn(&[hi, low], 0), PeerChoice::LeastConn(1));
     }
 
     #[test]
-    fn ties_spread() {
+    fn ties_spread_evenly() {
         let loads = [l(0, 10), l(0, 10), l(0, 10)];
         let mut seen = [0u32; 3];
         let mut x = 0x1234_5678_9abc_def1u64;
         for _ in 0..3000 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            if let PeerChoice::LeastConn(i) = least_conn(&loads, x) {
-                seen[i] += 1;
+            x = mix64(x);
+            seen[least_conn(&loads, x).index().unwrap()] += 1;
+        }
+        assert!(seen.iter().all(|&s| s > 800), "{seen:?}");
+    }
+
+    #[test]
+    fn crc32_mod_matches_the_reference_function() {
+        let loads = pool(3);
+        for sid in ["a", "session-42", "conv-1", "ünïcode"] {
+            let want = crc32fast::hash(sid.as_bytes()) as usize % 3;
+            assert_eq!(
+                select(&loads, Some(sid.as_bytes()), Affinity::Crc32Mod, 7),
+                PeerChoice::Hash(want)
+            );
+        }
+    }
+
+    #[test]
+    fn a_ban_moves_only_the_banned_peers_sessions() {
+        for algo in [Affinity::Crc32Mod, Affinity::Rendezvous] {
+            let mut loads = pool(4);
+            let sids: Vec<String> = (0..400).map(|i| format!("s{i}")).collect();
+            let before: Vec<usize> = sids
+                .iter()
+                .map(|s| select(&loads, Some(s.as_bytes()), algo, 1).index().unwrap())
+                .collect();
+            loads[2].healthy = false;
+            for (s, &b) in sids.iter().zip(&before) {
+                let c = select(&loads, Some(s.as_bytes()), algo, 1);
+                if b == 2 {
+                    assert!(
+                        matches!(c, PeerChoice::HashFallback(i) if i != 2),
+                        "{algo:?}"
+                    );
+                } else {
+                    assert_eq!(
+                        c,
+                        PeerChoice::Hash(b),
+                        "{algo:?}: only banned peer's sessions move"
+                    );
+                }
             }
         }
-        for s in seen {
-            assert!(s > 700, "{seen:?}");
+    }
+
+    #[test]
+    fn rendezvous_moves_about_one_nth_when_a_peer_is_added() {
+        let sids: Vec<String> = (0..4000).map(|i| format!("conversation-{i}")).collect();
+        let four = pool(4);
+        let five = pool(5);
+        let moved = sids
+            .iter()
+            .filter(|s| {
+                natural_target(&four, s.as_bytes(), Affinity::Rendezvous)
+                    != natural_target(&five, s.as_bytes(), Affinity::Rendezvous)
+            })
+            .count();
+        // Ideal 1/5 = 800; crc32 % n would move ~4/5.
+        assert!((600..1000).contains(&moved), "moved {moved}");
+        let moved_mod = sids
+            .iter()
+            .filter(|s| {
+                natural_target(&four, s.as_bytes(), Affinity::Crc32Mod)
+                    != natural_target(&five, s.as_bytes(), Affinity::Crc32Mod)
+            })
+            .count();
+        assert!(
+            moved_mod > 2500,
+            "control: modulo hashing moves most sessions ({moved_mod})"
+        );
+        // And spreads evenly.
+        let mut counts = [0; 5];
+        for s in &sids {
+            counts[natural_target(&five, s.as_bytes(), Affinity::Rendezvous).unwrap()] += 1;
         }
+        assert!(
+            counts.iter().all(|&c| (600..1000).contains(&c)),
+            "{counts:?}"
+        );
+    }
+
+    #[test]
+    fn full_pinned_peer_falls_back() {
+        let mut loads = pool(3);
+        let sid = b"x";
+        let t = natural_target(&loads, sid, Affinity::Crc32Mod).unwrap();
+        loads[t].inflight = 10;
+        let c = select(&loads, Some(sid), Affinity::Crc32Mod, 3);
+        assert!(matches!(c, PeerChoice::HashFallback(i) if i != t));
+        assert_eq!(c.mode(), "hash_fallback");
+    }
+
+    #[test]
+    fn hash_is_over_the_active_tier_only() {
+        let mut loads = pool(4);
+        loads[2].priority = -1;
+        loads[3].priority = -1;
+        for i in 0..100 {
+            let s = format!("s{i}");
+            let c = select(&loads, Some(s.as_bytes()), Affinity::Crc32Mod, 0);
+            assert_eq!(
+                c,
+                PeerChoice::Hash(crc32fast::hash(s.as_bytes()) as usize % 2)
+            );
+        }
+        loads[0].healthy = false;
+        loads[1].healthy = false;
+        for i in 0..100 {
+            let s = format!("s{i}");
+            let c = select(&loads, Some(s.as_bytes()), Affinity::Crc32Mod, 0);
+            assert_eq!(
+                c,
+                PeerChoice::Hash(2 + crc32fast::hash(s.as_bytes()) as usize % 2),
+                "lower tier serves when the higher is down"
+            );
+        }
+    }
+
+    #[test]
+    fn fallback_order_is_least_loaded_first_then_one_per_lower_tier() {
+        let mut loads = vec![l(5, 10), l(1, 10), l(3, 10), l(0, 10), l(0, 10), l(2, 10)];
+        loads[3].healthy = false;
+        loads[4].priority = -1;
+        loads[5].priority = -2;
+        assert_eq!(fallback_order(&loads, 0, false), vec![1, 2]);
+        assert_eq!(fallback_order(&loads, 0, true), vec![1, 2, 4, 5]);
     }
 }

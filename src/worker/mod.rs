@@ -225,6 +225,7 @@ fn worker_main(
                 }
             }
         }
+        monoio::spawn(crate::control::run(ctx.clone()));
         shared.workers_ready.fetch_add(1, Ordering::AcqRel);
         loop {
             monoio::time::sleep(TICK).await;

@@ -1,0 +1,180 @@
+//! Active health checks: `GET <probe path>` to every peer of a route.
+//!
+//! 2xx → healthy (unban). 429 or a timeout → alive but busy: no change. Refused, reset,
+//! a broken answer or any other status → banned for `health_ban_ttl` (refreshed while it
+//! keeps failing). Writes bans, transitions and probe figures to the segment.
+
+use std::io;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
+use monoio::net::TcpStream;
+
+use crate::cells::{peer, Relaxed};
+use crate::snapshot::{PeerRt, RouteRt};
+use crate::worker::WorkerCtx;
+
+/// What one probe saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeOutcome {
+    Status(u16),
+    Timeout,
+    ConnectFailed,
+    Broken,
+}
+
+/// What a probe outcome means for the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HealthVerdict {
+    Healthy,
+    Busy,
+    Failed,
+}
+
+/// The rule, pure.
+pub fn verdict(o: ProbeOutcome) -> HealthVerdict {
+    match o {
+        ProbeOutcome::Status(s) if (200..300).contains(&s) => HealthVerdict::Healthy,
+        ProbeOutcome::Status(429) | ProbeOutcome::Timeout => HealthVerdict::Busy,
+        _ => HealthVerdict::Failed,
+    }
+}
+
+/// Probe every peer of a route concurrently and apply the verdicts.
+pub async fn probe_route(ctx: Rc<WorkerCtx>, route: Arc<RouteRt>) {
+    let opts = &route.cfg.opts;
+    let timeout = Duration::from_millis((opts.health_check_interval * 1000).clamp(500, 10_000));
+    let mut tasks = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for (pi, pool) in route.pools.iter().enumerate() {
+        for (i, p) in pool.peers.iter().enumerate() {
+            if !seen.insert(p.slot) {
+                continue;
+            }
+            let (ctx, route) = (ctx.clone(), route.clone());
+            tasks.push(monoio::spawn(async move {
+                let peer = &route.pools[pi].peers[i];
+                let path = peer
+                    .probe
+                    .as_deref()
+                    .unwrap_or(&route.cfg.opts.health_probe_path);
+                let t0 = Instant::now();
+                let outcome = probe(peer, path, timeout).await;
+                apply(&ctx, &route, peer, outcome, t0.elapsed());
+            }));
+        }
+    }
+    for t in tasks {
+        t.await;
+    }
+}
+
+/// Send one probe.
+pub async fn probe(peer: &PeerRt, path: &str, timeout: Duration) -> ProbeOutcome {
+    match monoio::time::timeout(timeout, probe_inner(peer, path)).await {
+        Err(_) => ProbeOutcome::Timeout,
+        Ok(Ok(o)) => o,
+        Ok(Err(_)) => ProbeOutcome::Broken,
+    }
+}
+
+async fn probe_inner(peer: &PeerRt, path: &str) -> io::Result<ProbeOutcome> {
+    let mut s = match TcpStream::connect_addr(peer.addr).await {
+        Ok(s) => s,
+        Err(_) => return Ok(ProbeOutcome::ConnectFailed),
+    };
+    let _ = s.set_nodelay(true);
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: warmroute-health\r\nConnection: close\r\n\r\n", peer.host_header);
+    let (r, _) = s.write_all(req.into_bytes()).await;
+    r?;
+    let mut head = Vec::with_capacity(256);
+    loop {
+        let buf = Vec::with_capacity(512);
+        let (r, buf) = s.read(buf).await;
+        let n = r?;
+        if n == 0 {
+            return Ok(ProbeOutcome::Broken);
+        }
+        head.extend_from_slice(&buf[..n]);
+        if let Some(end) = head.windows(2).position(|w| w == b"\r\n") {
+            let line = &head[..end];
+            let status = std::str::from_utf8(line)
+                .ok()
+                .filter(|l| l.starts_with("HTTP/1."))
+                .and_then(|l| l.split(' ').nth(1))
+                .and_then(|c| c.parse::<u16>().ok());
+            return Ok(status.map_or(ProbeOutcome::Broken, ProbeOutcome::Status));
+        }
+        if head.len() > 4096 {
+            return Ok(ProbeOutcome::Broken);
+        }
+    }
+}
+
+fn apply(ctx: &WorkerCtx, route: &RouteRt, p: &PeerRt, outcome: ProbeOutcome, took: Duration) {
+    let seg = &ctx.shared.seg;
+    let now = warmroute_shm::now_ms();
+    seg.peer_cell(p.slot, peer::PROBES).fetch_add(1, Relaxed);
+    seg.peer_cell(p.slot, peer::PROBE_AT_MS).store(now, Relaxed);
+    seg.peer_cell(p.slot, peer::PROBE_LATENCY_US)
+        .store(took.as_micros() as u64, Relaxed);
+    let code = match outcome {
+        ProbeOutcome::Status(s) => s as u64,
+        ProbeOutcome::ConnectFailed => 0,
+        ProbeOutcome::Timeout => 1,
+        ProbeOutcome::Broken => 2,
+    };
+    seg.peer_cell(p.slot, peer::PROBE_STATUS)
+        .store(code, Relaxed);
+    let was_banned = seg.is_banned(p.slot, now);
+    match verdict(outcome) {
+        HealthVerdict::Healthy => {
+            if seg.banned_until_ms(p.slot) != 0 {
+                seg.unban(p.slot);
+                if was_banned {
+                    seg.peer_cell(p.slot, peer::UNBANS).fetch_add(1, Relaxed);
+                    tracing::info!(route = route.name(), peer = %p.name, addr = %p.addr, "peer recovered");
+                }
+            }
+        }
+        HealthVerdict::Busy => {}
+        HealthVerdict::Failed => {
+            seg.ban(p.slot, now + route.cfg.opts.health_ban_ttl * 1000);
+            if !was_banned {
+                seg.peer_cell(p.slot, peer::BANS).fetch_add(1, Relaxed);
+                tracing::warn!(route = route.name(), peer = %p.name, addr = %p.addr, ?outcome, "peer banned by health check");
+            }
+        }
+    }
+}
+
+/// Ban a peer now because proxying could not connect to it.
+pub fn ban_on_connect_failure(ctx: &WorkerCtx, route: &RouteRt, p: &PeerRt) {
+    let seg = &ctx.shared.seg;
+    let now = warmroute_shm::now_ms();
+    let was_banned = seg.is_banned(p.slot, now);
+    seg.ban(p.slot, now + route.cfg.opts.health_ban_ttl * 1000);
+    if !was_banned {
+        seg.peer_cell(p.slot, peer::BANS).fetch_add(1, Relaxed);
+        tracing::warn!(route = route.name(), peer = %p.name, addr = %p.addr, "peer banned: connect failed while proxying");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdicts() {
+        assert_eq!(verdict(ProbeOutcome::Status(200)), HealthVerdict::Healthy);
+        assert_eq!(verdict(ProbeOutcome::Status(204)), HealthVerdict::Healthy);
+        assert_eq!(verdict(ProbeOutcome::Status(429)), HealthVerdict::Busy);
+        assert_eq!(verdict(ProbeOutcome::Timeout), HealthVerdict::Busy);
+        assert_eq!(verdict(ProbeOutcome::Status(500)), HealthVerdict::Failed);
+        assert_eq!(verdict(ProbeOutcome::Status(404)), HealthVerdict::Failed);
+        assert_eq!(verdict(ProbeOutcome::ConnectFailed), HealthVerdict::Failed);
+        assert_eq!(verdict(ProbeOutcome::Broken), HealthVerdict::Failed);
+    }
+}

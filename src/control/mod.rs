@@ -1,0 +1,57 @@
+//! What the lease holder runs. Every worker starts `run`; the one holding the lease in the
+//! segment (renewed while it lives, taken over by another worker within a few seconds of
+//! its death) probes the peers. Results go to the segment only.
+
+pub mod health;
+
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::Duration;
+
+use crate::util::{race, Either};
+use crate::worker::WorkerCtx;
+
+/// How often each worker tries to take or renew the lease.
+const LEASE_TICK: Duration = Duration::from_millis(500);
+/// Lease lifetime: a dead holder is replaced within this plus one tick.
+const LEASE_TTL_MS: u64 = 2_000;
+
+/// The lease-holder loop, started on every worker.
+pub async fn run(ctx: Rc<WorkerCtx>) {
+    let holder = ((std::process::id() as u64) << 16) | (ctx.index as u64 + 1);
+    let seg = ctx.shared.seg.clone();
+    let mut next_round_ms: HashMap<String, u64> = HashMap::new();
+    let mut held = false;
+    loop {
+        if let Either::Right(()) = race(monoio::time::sleep(LEASE_TICK), ctx.drain.wait()).await {
+            if held {
+                seg.release_lease(holder);
+            }
+            return;
+        }
+        let now = warmroute_shm::now_ms();
+        let has = seg.try_lease(holder, now, LEASE_TTL_MS);
+        if has != held {
+            tracing::info!(
+                worker = ctx.index,
+                leader = has,
+                "control lease {}",
+                if has { "acquired" } else { "lost" }
+            );
+            held = has;
+            next_round_ms.clear();
+        }
+        if !has {
+            continue;
+        }
+        let snap = ctx.snapshot();
+        for route in &snap.routes {
+            let due = next_round_ms.entry(route.name().to_string()).or_insert(0);
+            if now >= *due {
+                *due = now + route.cfg.opts.health_check_interval.max(1) * 1000;
+                monoio::spawn(health::probe_route(ctx.clone(), route.clone()));
+            }
+        }
+        next_round_ms.retain(|name, _| snap.route(name).is_some());
+    }
+}

@@ -1,0 +1,1075 @@
+//! Session id: which id a request carries and where it came from (SPEC §3.3, §3.7, §14).
+//!
+//! Reads the request headers and, through [`parse_body`], the few JSON body fields the
+//! router needs (`model`, `stream`, `stream_options.include_usage`, the session-id
+//! candidates) in one streaming pass. Decides the id by the SPEC's fixed source order and
+//! labels its source. Never builds a JSON tree, never materialises skipped values, never
+//! allocates in proportion to the body more than once, never trims an id, never panics on
+//! client bytes. Pure: no IO, no shared state.
+
+use std::borrow::Cow;
+use std::fmt::{self, Write as _};
+use std::marker::PhantomData;
+
+use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer};
+
+use crate::http::Headers;
+use crate::limits::SESSION_ID_HASH_BYTES_MAX;
+
+/// Bytes of the original id shown in `X-Routed-Session` before it is cut with `...`.
+const HEADER_VALUE_ID_BYTES_MAX: usize = 128;
+
+/// Header sources, in precedence order, with their labels.
+const HEADER_SOURCES: [(&str, &str); 3] = [
+    ("x-litellm-session-id", "header:x-litellm-session-id"),
+    (
+        "x-claude-code-session-id",
+        "header:x-claude-code-session-id",
+    ),
+    ("x-session-id", "header:x-session-id"),
+];
+
+/// Body sources (dotted paths), in precedence order, with their labels.
+const BODY_SOURCES: [(&str, &str); 5] = [
+    ("metadata.session_id", "body:metadata.session_id"),
+    (
+        "litellm_metadata.session_id",
+        "body:litellm_metadata.session_id",
+    ),
+    (
+        "metadata.user_id.session_id",
+        "body:metadata.user_id.session_id",
+    ),
+    ("metadata.user_id", "body:metadata.user_id"),
+    ("user", "body:user"),
+];
+
+/// Where a session id came from: the `X-Routed-Source` value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// A request header: `x-litellm-session-id`, `x-claude-code-session-id` or `x-session-id`.
+    Header(&'static str),
+    /// A body field by dotted path: `metadata.session_id`, `litellm_metadata.session_id`,
+    /// `metadata.user_id.session_id`, `metadata.user_id` or `user`.
+    Body(&'static str),
+    /// No source carried a usable id.
+    None,
+    /// An id was present but the route has `session_affinity = false`.
+    AffinityOff,
+}
+
+impl Source {
+    /// `header:<name>`, `body:<dotted path>`, `none` or `affinity_off`.
+    pub fn label(&self) -> Cow<'static, str> {
+        let known = |table: &[(&'static str, &'static str)], name: &str| {
+            table.iter().find(|(n, _)| *n == name).map(|(_, l)| *l)
+        };
+        match *self {
+            Source::None => Cow::Borrowed("none"),
+            Source::AffinityOff => Cow::Borrowed("affinity_off"),
+            Source::Header(n) => known(&HEADER_SOURCES, n)
+                .map_or_else(|| Cow::Owned(format!("header:{n}")), Cow::Borrowed),
+            Source::Body(p) => known(&BODY_SOURCES, p)
+                .map_or_else(|| Cow::Owned(format!("body:{p}")), Cow::Borrowed),
+        }
+    }
+}
+
+/// The fields of a JSON request body the router needs. Session-id candidates hold only
+/// usable (non-blank) values; numbers are already in their decimal form.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct BodyFields {
+    /// `model`, only when it is a JSON string.
+    pub model: Option<String>,
+    /// `stream`, true only when it is JSON `true`.
+    pub stream: bool,
+    /// `stream_options.include_usage`, when it is a boolean.
+    pub include_usage: Option<bool>,
+    /// `metadata.session_id`.
+    pub metadata_session_id: Option<String>,
+    /// `litellm_metadata.session_id`.
+    pub litellm_metadata_session_id: Option<String>,
+    /// `metadata.user_id.session_id`: `user_id` an object, or a string holding a JSON object.
+    pub user_id_session_id: Option<String>,
+    /// `metadata.user_id` used plainly: a string that held no usable `session_id`, or a number.
+    pub user_id: Option<String>,
+    /// `user`.
+    pub user: Option<String>,
+}
+
+/// Parse the fields the router needs in one pass. `None` when the body is not a JSON
+/// object (not JSON at all, an array, a scalar, empty, truncated, trailing garbage).
+/// A key sent twice counts by its last occurrence, as a tree parser would read it.
+pub fn parse_body(body: &[u8]) -> Option<BodyFields> {
+    match serde_json::from_slice::<Json<'_, TopObj<'_>>>(body).ok()? {
+        Json::Object(top) => Some(top.reduce()),
+        _ => None,
+    }
+}
+
+/// A session id and where it came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionId {
+    pub id: String,
+    pub source: Source,
+}
+
+/// The route options extraction depends on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SidOptions {
+    /// `session_affinity`: false turns any found id into none, labelled `affinity_off`.
+    pub session_affinity: bool,
+    /// `body_user_affinity`: false skips the body's `user`.
+    pub body_user_affinity: bool,
+}
+
+/// The session id by the SPEC §3.3 order: headers `x-litellm-session-id`,
+/// `x-claude-code-session-id`, `x-session-id`; body `metadata.session_id`,
+/// `litellm_metadata.session_id`, `metadata.user_id.session_id`, `metadata.user_id`, `user`.
+/// The first non-blank value wins. `body` is `None` when the body is not JSON or was not
+/// parsed. With `session_affinity` off the id is dropped and the source is `AffinityOff` —
+/// only when some id would have been found; otherwise `None`.
+pub fn extract(
+    headers: &Headers,
+    body: Option<&BodyFields>,
+    opts: &SidOptions,
+) -> (Option<SessionId>, Source) {
+    match find(headers, body, opts.body_user_affinity) {
+        None => (None, Source::None),
+        Some(_) if !opts.session_affinity => (None, Source::AffinityOff),
+        Some((id, source)) => (
+            Some(SessionId {
+                id: id.into_owned(),
+                source,
+            }),
+            source,
+        ),
+    }
+}
+
+/// True when a header alone decides the id, so the body need not be parsed for it.
+pub fn header_decides(headers: &Headers) -> bool {
+    header_id(headers).is_some()
+}
+
+/// The `X-Routed-Session` value: bytes outside `0x21..=0x7E` and `%` percent-encoded, the
+/// id cut to its first 128 bytes (on a char boundary) plus `...` when longer, `-` for none.
+/// The result is printable ASCII only: never CR, LF or another control byte.
+pub fn header_value(id: Option<&str>) -> String {
+    let Some(id) = id else {
+        return "-".to_string();
+    };
+    let mut end = id.len().min(HEADER_VALUE_ID_BYTES_MAX);
+    while !id.is_char_boundary(end) {
+        end -= 1;
+    }
+    let cut = &id.as_bytes()[..end];
+    let mut out = String::with_capacity(cut.len() + 3);
+    for &b in cut {
+        if (0x21..=0x7e).contains(&b) && b != b'%' {
+            out.push(char::from(b));
+        } else {
+            // Writing to a String cannot fail.
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    if end < id.len() {
+        out.push_str("...");
+    }
+    out
+}
+
+/// The bytes of an id used for hashing: at most its first 4 KiB (SPEC §14).
+pub fn hash_bytes(id: &str) -> &[u8] {
+    &id.as_bytes()[..id.len().min(SESSION_ID_HASH_BYTES_MAX)]
+}
+
+/// Empty or whitespace only.
+fn is_blank(s: &str) -> bool {
+    s.trim().is_empty()
+}
+
+/// The first non-blank value of the first header source that has one.
+fn header_id(headers: &Headers) -> Option<(Cow<'_, str>, Source)> {
+    HEADER_SOURCES.iter().find_map(|&(name, _)| {
+        headers
+            .get_all(name)
+            .map(String::from_utf8_lossy)
+            .find(|v| !is_blank(v))
+            .map(|v| (v, Source::Header(name)))
+    })
+}
+
+/// The winning id, borrowed where possible, before the affinity switch applies.
+fn find<'a>(
+    headers: &'a Headers,
+    body: Option<&'a BodyFields>,
+    body_user_affinity: bool,
+) -> Option<(Cow<'a, str>, Source)> {
+    if let Some(hit) = header_id(headers) {
+        return Some(hit);
+    }
+    let b = body?;
+    let user = if body_user_affinity { &b.user } else { &None };
+    let candidates = [
+        &b.metadata_session_id,
+        &b.litellm_metadata_session_id,
+        &b.user_id_session_id,
+        &b.user_id,
+        user,
+    ];
+    candidates
+        .into_iter()
+        .zip(BODY_SOURCES)
+        .find_map(|(c, (path, _))| {
+            // Candidates are non-blank by construction; the check guards hand-built fields.
+            c.as_deref()
+                .filter(|v| !is_blank(v))
+                .map(|v| (Cow::Borrowed(v), Source::Body(path)))
+        })
+}
+
+// ---------------------------------------------------------------------------------------
+// One-pass body parsing. Every known field is read as a `Json<O>`, which accepts any JSON
+// value (so a mistyped field never rejects the body) and parses objects only as `O`
+// describes; every other key's value is skipped as `IgnoredAny`, which serde_json scans
+// without building anything.
+
+/// The object keys the router cares about, at any level; everything else is `Other`.
+#[derive(Deserialize, Clone, Copy, PartialEq, Eq)]
+#[serde(field_identifier, rename_all = "snake_case")]
+enum Key {
+    Model,
+    Stream,
+    StreamOptions,
+    IncludeUsage,
+    Metadata,
+    LitellmMetadata,
+    SessionId,
+    UserId,
+    User,
+    #[serde(other)]
+    Other,
+}
+
+/// A JSON value reduced to what matters: strings (borrowed unless escaped), numbers in
+/// decimal form, booleans, objects parsed as `O`; null and arrays are `Other`.
+enum Json<'a, O> {
+    Str(Cow<'a, str>),
+    Num(String),
+    Bool(bool),
+    Object(O),
+    Other,
+}
+
+/// A JSON value whose objects are skipped.
+type Scalar<'a> = Json<'a, IgnoredAny>;
+
+impl<O> Json<'_, O> {
+    /// The value as a session id: a non-blank string or a number.
+    fn usable_id(self) -> Option<String> {
+        match self {
+            Json::Str(s) if !is_blank(&s) => Some(s.into_owned()),
+            Json::Num(n) => Some(n),
+            _ => None,
+        }
+    }
+}
+
+/// An object read key by key from a map.
+trait FromMap<'de>: Sized {
+    fn from_map<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error>;
+}
+
+impl<'de> FromMap<'de> for IgnoredAny {
+    fn from_map<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
+        IgnoredAny.visit_map(map)
+    }
+}
+
+impl<'de: 'a, 'a, O: FromMap<'de>> Deserialize<'de> for Json<'a, O> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(JsonVisitor(PhantomData))
+    }
+}
+
+struct JsonVisitor<'a, O>(PhantomData<(Cow<'a, str>, O)>);
+
+impl<'de: 'a, 'a, O: FromMap<'de>> Visitor<'de> for JsonVisitor<'a, O> {
+    type Value = Json<'a, O>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(Json::Bool(v))
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(Json::Num(v.to_string()))
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(Json::Num(v.to_string()))
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Json::Other, |n| Json::Num(n.to_string())))
+    }
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Json::Str(Cow::Borrowed(v)))
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Json::Str(Cow::Owned(v.to_owned())))
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+        Ok(Json::Str(Cow::Owned(v)))
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(Json::Other)
+    }
+    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(Json::Other)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+        IgnoredAny.visit_seq(seq).map(|_| Json::Other)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        O::from_map(map).map(Json::Object)
+    }
+}
+
+/// The top-level object.
+#[derive(Default)]
+struct TopObj<'a> {
+    model: Option<Scalar<'a>>,
+    stream: Option<Scalar<'a>>,
+    stream_options: Option<Json<'a, StreamOptionsObj>>,
+    metadata: Option<Json<'a, MetadataObj<'a>>>,
+    litellm_metadata: Option<Json<'a, MetadataObj<'a>>>,
+    user: Option<Scalar<'a>>,
+}
+
+/// `stream_options`.
+#[derive(Default)]
+struct StreamOptionsObj {
+    include_usage: Option<bool>,
+}
+
+/// `metadata` and `litellm_metadata`.
+#[derive(Default)]
+struct MetadataObj<'a> {
+    session_id: Option<Scalar<'a>>,
+    user_id: Option<Json<'a, SessionIdObj<'a>>>,
+}
+
+/// An object whose only field of interest is `session_id` (`metadata.user_id`).
+#[derive(Default)]
+struct SessionIdObj<'a> {
+    session_id: Option<Scalar<'a>>,
+}
+
+impl<'de: 'a, 'a> FromMap<'de> for TopObj<'a> {
+    fn from_map<A: MapAccess<'de>>(mut map: A) -> Result<Self, A::Error> {
+        let mut o = TopObj::default();
+        while let Some(key) = map.next_key::<Key>()? {
+            match key {
+                Key::Model => o.model = Some(map.next_value()?),
+                Key::Stream => o.stream = Some(map.next_value()?),
+                Key::StreamOptions => o.stream_options = Some(map.next_value()?),
+                Key::Metadata => o.metadata = Some(map.next_value()?),
+                Key::LitellmMetadata => o.litellm_metadata = Some(map.next_value()?),
+                Key::User => o.user = Some(map.next_value()?),
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(o)
+    }
+}
+
+impl<'de> FromMap<'de> for StreamOptionsObj {
+    fn from_map<A: MapAccess<'de>>(mut map: A) -> Result<Self, A::Error> {
+        let mut o = StreamOptionsObj::default();
+        while let Some(key) = map.next_key::<Key>()? {
+            if key == Key::IncludeUsage {
+                o.include_usage = match map.next_value::<Scalar<'_>>()? {
+                    Json::Bool(b) => Some(b),
+                    _ => None,
+                };
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        Ok(o)
+    }
+}
+
+impl<'de: 'a, 'a> FromMap<'de> for MetadataObj<'a> {
+    fn from_map<A: MapAccess<'de>>(mut map: A) -> Result<Self, A::Error> {
+        let mut o = MetadataObj::default();
+        while let Some(key) = map.next_key::<Key>()? {
+            match key {
+                Key::SessionId => o.session_id = Some(map.next_value()?),
+                Key::UserId => o.user_id = Some(map.next_value()?),
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(o)
+    }
+}
+
+impl<'de: 'a, 'a> FromMap<'de> for SessionIdObj<'a> {
+    fn from_map<A: MapAccess<'de>>(mut map: A) -> Result<Self, A::Error> {
+        let mut o = SessionIdObj::default();
+        while let Some(key) = map.next_key::<Key>()? {
+            if key == Key::SessionId {
+                o.session_id = Some(map.next_value()?);
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        Ok(o)
+    }
+}
+
+impl SessionIdObj<'_> {
+    fn usable_id(self) -> Option<String> {
+        self.session_id.and_then(Json::usable_id)
+    }
+}
+
+/// `metadata.user_id` → (its `session_id`, itself as a plain id).
+fn reduce_user_id(v: Json<'_, SessionIdObj<'_>>) -> (Option<String>, Option<String>) {
+    match v {
+        Json::Object(o) => (o.usable_id(), None),
+        Json::Str(s) => {
+            let inner = match serde_json::from_str::<Json<'_, SessionIdObj<'_>>>(&s) {
+                Ok(Json::Object(o)) => o.usable_id(),
+                _ => None,
+            };
+            match inner {
+                Some(sid) => (Some(sid), None),
+                None => (None, Json::<IgnoredAny>::Str(s).usable_id()),
+            }
+        }
+        Json::Num(n) => (None, Some(n)),
+        _ => (None, None),
+    }
+}
+
+/// The parsed object, when the value was one.
+fn object<O>(v: Option<Json<'_, O>>) -> Option<O> {
+    match v {
+        Some(Json::Object(o)) => Some(o),
+        _ => None,
+    }
+}
+
+impl TopObj<'_> {
+    fn reduce(self) -> BodyFields {
+        let metadata = object(self.metadata);
+        let litellm = object(self.litellm_metadata);
+        let (metadata_session_id, user_id_field) = match metadata {
+            Some(m) => (m.session_id.and_then(Json::usable_id), m.user_id),
+            None => (None, None),
+        };
+        let (user_id_session_id, user_id) = user_id_field.map_or((None, None), reduce_user_id);
+        BodyFields {
+            model: match self.model {
+                Some(Json::Str(s)) => Some(s.into_owned()),
+                _ => None,
+            },
+            stream: matches!(self.stream, Some(Json::Bool(true))),
+            include_usage: object(self.stream_options).and_then(|so| so.include_usage),
+            metadata_session_id,
+            litellm_metadata_session_id: litellm.and_then(|m| m.session_id?.usable_id()),
+            user_id_session_id,
+            user_id,
+            user: self.user.and_then(Json::usable_id),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    const ON: SidOptions = SidOptions {
+        session_affinity: true,
+        body_user_affinity: true,
+    };
+
+    fn headers_raw(lines: &[u8]) -> Headers {
+        let mut raw = b"POST /r/v1/chat/completions HTTP/1.1\r\nhost: x\r\n".to_vec();
+        raw.extend_from_slice(lines);
+        raw.extend_from_slice(b"\r\n");
+        match crate::http::parse_request(&raw).unwrap() {
+            crate::http::HeadParse::Complete(h, _) => h.headers,
+            _ => unreachable!(),
+        }
+    }
+
+    fn hdrs(list: &[(&str, &str)]) -> Headers {
+        let mut lines = Vec::new();
+        for (n, v) in list {
+            lines.extend_from_slice(format!("{n}: {v}\r\n").as_bytes());
+        }
+        headers_raw(&lines)
+    }
+
+    fn body(json: &str) -> BodyFields {
+        parse_body(json.as_bytes()).expect("a JSON object")
+    }
+
+    /// The id and label for headers and a JSON body, affinity on.
+    fn sid(h: &[(&str, &str)], json: &str) -> (Option<String>, String) {
+        sid_with(h, json, &ON)
+    }
+
+    fn sid_with(h: &[(&str, &str)], json: &str, opts: &SidOptions) -> (Option<String>, String) {
+        let b = parse_body(json.as_bytes());
+        let (id, src) = extract(&hdrs(h), b.as_ref(), opts);
+        if let Some(id) = &id {
+            assert_eq!(id.source, src);
+        }
+        (id.map(|s| s.id), src.label().into_owned())
+    }
+
+    fn hit(id: &str, label: &str) -> (Option<String>, String) {
+        (Some(id.to_string()), label.to_string())
+    }
+
+    fn none() -> (Option<String>, String) {
+        (None, "none".to_string())
+    }
+
+    #[test]
+    fn each_source_wins_alone() {
+        assert_eq!(
+            sid(&[("X-LiteLLM-Session-Id", "a")], "{}"),
+            hit("a", "header:x-litellm-session-id")
+        );
+        assert_eq!(
+            sid(&[("x-claude-code-session-id", "b")], "{}"),
+            hit("b", "header:x-claude-code-session-id")
+        );
+        assert_eq!(
+            sid(&[("x-session-id", "c")], "{}"),
+            hit("c", "header:x-session-id")
+        );
+        assert_eq!(
+            sid(&[], r#"{"metadata":{"session_id":"d"}}"#),
+            hit("d", "body:metadata.session_id")
+        );
+        assert_eq!(
+            sid(&[], r#"{"litellm_metadata":{"session_id":"e"}}"#),
+            hit("e", "body:litellm_metadata.session_id")
+        );
+        assert_eq!(
+            sid(&[], r#"{"metadata":{"user_id":{"session_id":"f"}}}"#),
+            hit("f", "body:metadata.user_id.session_id")
+        );
+        assert_eq!(
+            sid(&[], r#"{"metadata":{"user_id":"{\"session_id\":\"g\"}"}}"#),
+            hit("g", "body:metadata.user_id.session_id")
+        );
+        assert_eq!(
+            sid(&[], r#"{"metadata":{"user_id":"h"}}"#),
+            hit("h", "body:metadata.user_id")
+        );
+        assert_eq!(sid(&[], r#"{"user":"i"}"#), hit("i", "body:user"));
+        assert_eq!(sid(&[], r#"{"model":"m"}"#), none());
+        assert_eq!(sid(&[], "not json"), none());
+    }
+
+    #[test]
+    fn precedence_follows_the_spec_order() {
+        let all_body = r#"{"user":"u","metadata":{"user_id":"{\"session_id\":\"us\"}",
+            "session_id":"ms"},"litellm_metadata":{"session_id":"ls"}}"#;
+        let h3 = [
+            ("x-session-id", "h3"),
+            ("x-claude-code-session-id", "h2"),
+            ("x-litellm-session-id", "h1"),
+        ];
+        assert_eq!(sid(&h3, all_body), hit("h1", "header:x-litellm-session-id"));
+        assert_eq!(
+            sid(&h3[..2], all_body),
+            hit("h2", "header:x-claude-code-session-id")
+        );
+        assert_eq!(sid(&h3[..1], all_body), hit("h3", "header:x-session-id"));
+        assert_eq!(sid(&[], all_body), hit("ms", "body:metadata.session_id"));
+        // litellm_metadata.session_id beats metadata.user_id.session_id.
+        assert_eq!(
+            sid(
+                &[],
+                r#"{"user":"u","metadata":{"user_id":{"session_id":"us"}},
+                    "litellm_metadata":{"session_id":"ls"}}"#
+            ),
+            hit("ls", "body:litellm_metadata.session_id")
+        );
+        // user_id.session_id beats user.
+        assert_eq!(
+            sid(
+                &[],
+                r#"{"user":"u","metadata":{"user_id":{"session_id":"us"}}}"#
+            ),
+            hit("us", "body:metadata.user_id.session_id")
+        );
+        // plain user_id beats user.
+        assert_eq!(
+            sid(&[], r#"{"user":"u","metadata":{"user_id":"plain"}}"#),
+            hit("plain", "body:metadata.user_id")
+        );
+    }
+
+    #[test]
+    fn blank_values_are_skipped_at_every_level() {
+        let blank_headers = [
+            ("x-litellm-session-id", ""),
+            ("x-claude-code-session-id", " \t "),
+            ("x-session-id", "   "),
+        ];
+        let body_all_blank = r#"{"metadata":{"session_id":"  ","user_id":{"session_id":"\t"}},
+            "litellm_metadata":{"session_id":""},"user":"\n"}"#;
+        assert_eq!(sid(&blank_headers, body_all_blank), none());
+        assert!(!header_decides(&hdrs(&blank_headers)));
+        // Each blank level falls through to the next usable one.
+        assert_eq!(
+            sid(
+                &blank_headers,
+                r#"{"metadata":{"session_id":" ","user_id":"{\"session_id\":\" \"}"},
+                    "litellm_metadata":{"session_id":"\u00a0"},"user":"u"}"#
+            ),
+            // The JSON user_id has a blank session_id, so it is used plainly.
+            hit("{\"session_id\":\" \"}", "body:metadata.user_id")
+        );
+        assert_eq!(
+            sid(
+                &[],
+                r#"{"metadata":{"session_id":"","user_id":" "},"user":"u"}"#
+            ),
+            hit("u", "body:user")
+        );
+        // Not trimmed otherwise.
+        assert_eq!(
+            sid(&[], r#"{"metadata":{"session_id":"  s p  "}}"#),
+            hit("  s p  ", "body:metadata.session_id")
+        );
+        assert_eq!(
+            sid(&[("x-session-id", "a b")], "{}"),
+            hit("a b", "header:x-session-id")
+        );
+    }
+
+    #[test]
+    fn repeated_header_uses_first_non_blank() {
+        let h = headers_raw(b"x-session-id: \r\nx-session-id: first\r\nx-session-id: second\r\n");
+        let (id, src) = extract(&h, None, &ON);
+        assert_eq!(id.unwrap().id, "first");
+        assert_eq!(src, Source::Header("x-session-id"));
+        assert!(header_decides(&h));
+    }
+
+    #[test]
+    fn non_utf8_header_is_used_lossily() {
+        let h = headers_raw(b"x-session-id: ab\xffcd\r\n");
+        let (id, _) = extract(&h, None, &ON);
+        assert_eq!(id.unwrap().id, "ab\u{fffd}cd");
+    }
+
+    #[test]
+    fn numbers_are_used_in_decimal_form() {
+        assert_eq!(
+            sid(&[], r#"{"metadata":{"session_id":42}}"#),
+            hit("42", "body:metadata.session_id")
+        );
+        assert_eq!(
+            sid(&[], r#"{"litellm_metadata":{"session_id":-7}}"#),
+            hit("-7", "body:litellm_metadata.session_id")
+        );
+        assert_eq!(
+            sid(&[], r#"{"metadata":{"user_id":{"session_id":1.5}}}"#),
+            hit("1.5", "body:metadata.user_id.session_id")
+        );
+        assert_eq!(
+            sid(&[], r#"{"metadata":{"user_id":"{\"session_id\":0}"}}"#),
+            hit("0", "body:metadata.user_id.session_id")
+        );
+        assert_eq!(
+            sid(&[], r#"{"metadata":{"user_id":18446744073709551615}}"#),
+            hit("18446744073709551615", "body:metadata.user_id")
+        );
+        assert_eq!(sid(&[], r#"{"user":12}"#), hit("12", "body:user"));
+        // A JSON-number string in user_id is not an object: used plainly, verbatim.
+        assert_eq!(
+            sid(&[], r#"{"metadata":{"user_id":"007"}}"#),
+            hit("007", "body:metadata.user_id")
+        );
+    }
+
+    #[test]
+    fn non_ids_are_ignored() {
+        for v in ["true", "false", "null", "[]", "[\"a\"]", "{}", "{\"a\":1}"] {
+            let j = format!(
+                r#"{{"metadata":{{"session_id":{v}}},"litellm_metadata":{{"session_id":{v}}},"user":{v}}}"#
+            );
+            assert_eq!(sid(&[], &j), none(), "{j}");
+        }
+        // metadata that is not an object contributes nothing.
+        assert_eq!(
+            sid(&[], r#"{"metadata":"s","litellm_metadata":[1],"user":"u"}"#),
+            hit("u", "body:user")
+        );
+    }
+
+    #[test]
+    fn user_id_object_without_session_id_is_not_used_plainly() {
+        assert_eq!(
+            sid(&[], r#"{"metadata":{"user_id":{"name":"x"}},"user":"u"}"#),
+            hit("u", "body:user")
+        );
+        assert_eq!(
+            sid(&[], r#"{"metadata":{"user_id":{"session_id":" "}}}"#),
+            none()
+        );
+    }
+
+    #[test]
+    fn user_id_string_forms() {
+        // JSON object without session_id → plain.
+        assert_eq!(
+            sid(&[], r#"{"metadata":{"user_id":"{\"user\":\"x\"}"}}"#),
+            hit("{\"user\":\"x\"}", "body:metadata.user_id")
+        );
+        // Not JSON → plain.
+        assert_eq!(
+            sid(&[], r#"{"metadata":{"user_id":"{broken"}}"#),
+            hit("{broken", "body:metadata.user_id")
+        );
+        // JSON object with session_id an object → plain.
+        assert_eq!(
+            sid(&[], r#"{"metadata":{"user_id":"{\"session_id\":{}}"}}"#),
+            hit("{\"session_id\":{}}", "body:metadata.user_id")
+        );
+        // Claude Code style.
+        let b = body(
+            r#"{"metadata":{"user_id":"{\"device_id\":\"d\",\"session_id\":\"5f0e-\u00e9\"}"}}"#,
+        );
+        assert_eq!(b.user_id_session_id.as_deref(), Some("5f0e-é"));
+        assert_eq!(b.user_id, None);
+    }
+
+    #[test]
+    fn escaped_strings_are_decoded() {
+        assert_eq!(
+            sid(
+                &[],
+                r#"{"metadata":{"session_id":"caf\u00e9 \"q\" \\ \ud83d\ude00"}}"#
+            ),
+            hit("café \"q\" \\ 😀", "body:metadata.session_id")
+        );
+        // Escaped keys match too.
+        assert_eq!(
+            sid(&[], r#"{"met\u0061data":{"session_\u0069d":"k"}}"#),
+            hit("k", "body:metadata.session_id")
+        );
+        let b = body(r#"{"model":"a\/b\n"}"#);
+        assert_eq!(b.model.as_deref(), Some("a/b\n"));
+    }
+
+    #[test]
+    fn non_json_body_yields_no_body_id_but_headers_work() {
+        assert_eq!(parse_body(b"metadata.session_id=x"), None);
+        assert_eq!(
+            sid(&[("x-session-id", "h")], "garbage"),
+            hit("h", "header:x-session-id")
+        );
+        let (id, src) = extract(&hdrs(&[]), None, &ON);
+        assert_eq!((id, src), (None, Source::None));
+    }
+
+    #[test]
+    fn parse_body_rejects_non_objects() {
+        for b in [
+            &b""[..],
+            b"   ",
+            b"[]",
+            b"[{\"user\":\"u\"}]",
+            b"\"str\"",
+            b"42",
+            b"null",
+            b"true",
+            b"{",
+            b"{\"user\":\"u\"",
+            b"{\"user\":\"u\",}",
+            b"{\"user\":\"u\"} x",
+            b"{\"user\":\"u\"}{}",
+            b"{\"messages\":[1,2,}",
+            b"{\"user\":\"\xff\"}",
+            b"\xef\xbb\xbf{}",
+        ] {
+            assert_eq!(parse_body(b), None, "{:?}", String::from_utf8_lossy(b));
+        }
+        assert!(parse_body(b" {}\n").is_some());
+    }
+
+    #[test]
+    fn body_user_affinity_off_skips_user() {
+        let opts = SidOptions {
+            session_affinity: true,
+            body_user_affinity: false,
+        };
+        assert_eq!(sid_with(&[], r#"{"user":"u"}"#, &opts), none());
+        assert_eq!(
+            sid_with(&[], r#"{"user":"u","metadata":{"user_id":"p"}}"#, &opts),
+            hit("p", "body:metadata.user_id")
+        );
+    }
+
+    #[test]
+    fn affinity_off_drops_the_id_only_when_one_exists() {
+        let opts = SidOptions {
+            session_affinity: false,
+            body_user_affinity: true,
+        };
+        assert_eq!(
+            sid_with(&[("x-session-id", "h")], "{}", &opts),
+            (None, "affinity_off".to_string())
+        );
+        assert_eq!(
+            sid_with(&[], r#"{"user":"u"}"#, &opts),
+            (None, "affinity_off".to_string())
+        );
+        assert_eq!(sid_with(&[], r#"{"user":" "}"#, &opts), none());
+        let both_off = SidOptions {
+            session_affinity: false,
+            body_user_affinity: false,
+        };
+        assert_eq!(sid_with(&[], r#"{"user":"u"}"#, &both_off), none());
+    }
+
+    #[test]
+    fn model_stream_and_include_usage() {
+        let b = body(
+            r#"{"model":"llama","stream":true,"stream_options":{"include_usage":false},
+                "messages":[{"role":"user","content":"hi"}]}"#,
+        );
+        assert_eq!(b.model.as_deref(), Some("llama"));
+        assert!(b.stream);
+        assert_eq!(b.include_usage, Some(false));
+        let b = body(r#"{"model":7,"stream":"true","stream_options":{"include_usage":1}}"#);
+        assert_eq!((b.model, b.stream, b.include_usage), (None, false, None));
+        let b = body(r#"{"stream":1,"stream_options":true}"#);
+        assert_eq!((b.stream, b.include_usage), (false, None));
+        let b = body(r#"{"stream_options":{"include_usage":true}}"#);
+        assert_eq!(b.include_usage, Some(true));
+        assert_eq!(body("{}"), BodyFields::default());
+        // A key sent twice counts by its last occurrence.
+        let b = body(r#"{"model":"a","stream":true,"model":"b","stream":false}"#);
+        assert_eq!((b.model.as_deref(), b.stream), (Some("b"), false));
+    }
+
+    #[test]
+    fn unknown_fields_of_any_shape_are_skipped() {
+        let b = body(
+            r#"{"x":[[[{"metadata":{"session_id":"no"}}]]],"y":{"user":"no"},"z":null,
+                "tools":[{"a":1e5,"b":-0.5,"c":"\u0000"}],"user":"yes"}"#,
+        );
+        assert_eq!(b.user.as_deref(), Some("yes"));
+        assert_eq!(b.metadata_session_id, None);
+        // Deep nesting inside a skipped value is fine (skipping is not recursive).
+        let deep = format!(
+            r#"{{"x":{}{},"user":"u"}}"#,
+            "[".repeat(5000),
+            "]".repeat(5000)
+        );
+        assert_eq!(body(&deep).user.as_deref(), Some("u"));
+    }
+
+    #[test]
+    fn header_decides_only_on_a_usable_header() {
+        assert!(header_decides(&hdrs(&[("x-claude-code-session-id", "x")])));
+        assert!(!header_decides(&hdrs(&[("x-other-session-id", "x")])));
+        assert!(!header_decides(&hdrs(&[])));
+    }
+
+    #[test]
+    fn labels() {
+        assert_eq!(Source::None.label(), "none");
+        assert_eq!(Source::AffinityOff.label(), "affinity_off");
+        assert_eq!(
+            Source::Header("x-session-id").label(),
+            "header:x-session-id"
+        );
+        assert!(matches!(
+            Source::Body("metadata.user_id").label(),
+            Cow::Borrowed("body:metadata.user_id")
+        ));
+        assert_eq!(Source::Body("other").label(), "body:other");
+    }
+
+    #[test]
+    fn header_value_sanitises() {
+        assert_eq!(header_value(None), "-");
+        assert_eq!(header_value(Some("abc-123_X")), "abc-123_X");
+        assert_eq!(header_value(Some("a b")), "a%20b");
+        assert_eq!(header_value(Some("a\r\nX-Evil: 1")), "a%0D%0AX-Evil:%201");
+        assert_eq!(header_value(Some("\0\t\x7f")), "%00%09%7F");
+        assert_eq!(header_value(Some("100%")), "100%25");
+        assert_eq!(header_value(Some("é")), "%C3%A9");
+        let exact = "a".repeat(128);
+        assert_eq!(header_value(Some(&exact)), exact);
+        let long = "b".repeat(129);
+        assert_eq!(header_value(Some(&long)), format!("{}...", "b".repeat(128)));
+        // 127 ASCII bytes then a 2-byte char straddling the cut: cut before it.
+        let straddle = format!("{}é", "c".repeat(127));
+        assert_eq!(
+            header_value(Some(&straddle)),
+            format!("{}...", "c".repeat(127))
+        );
+        // Encoded output may exceed 128 bytes; the cut is on the original id.
+        let wide = "é".repeat(100);
+        assert_eq!(
+            header_value(Some(&wide)),
+            format!("{}...", "%C3%A9".repeat(64))
+        );
+    }
+
+    #[test]
+    fn hash_bytes_caps_at_4_kib() {
+        assert_eq!(hash_bytes("abc"), b"abc");
+        let long = "x".repeat(10_000);
+        assert_eq!(hash_bytes(&long).len(), 4096);
+        let exact = "y".repeat(4096);
+        assert_eq!(hash_bytes(&exact), exact.as_bytes());
+    }
+
+    /// A body of about `bytes` whose `messages` array dwarfs everything, ids at the end.
+    fn big_body(bytes: usize) -> Vec<u8> {
+        let msg = r#"{"role":"user","content":"lorem ipsum \"dolor\" sit amet \u00e9 [ { } ] , : 12345"},"#;
+        let mut b = br#"{"model":"big","messages":["#.to_vec();
+        while b.len() < bytes {
+            b.extend_from_slice(msg.as_bytes());
+        }
+        b.pop();
+        b.extend_from_slice(br#"],"metadata":{"session_id":"tail"},"stream":true}"#);
+        b
+    }
+
+    fn best_of_3(b: &[u8]) -> Duration {
+        (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                let f = parse_body(b).unwrap();
+                assert_eq!(f.metadata_session_id.as_deref(), Some("tail"));
+                t.elapsed()
+            })
+            .min()
+            .unwrap()
+    }
+
+    #[test]
+    fn big_body_parses_in_linear_time() {
+        let big = big_body(5 << 20);
+        let f = parse_body(&big).unwrap();
+        assert_eq!(f.model.as_deref(), Some("big"));
+        assert!(f.stream);
+        let small = big_body(640 << 10);
+        let t_small = best_of_3(&small);
+        let t_big = best_of_3(&big);
+        // Linear: ~8x. Quadratic would be ~64x. Debug builds still do >10 MB/s.
+        assert!(t_big < Duration::from_secs(5), "5 MiB took {t_big:?}");
+        assert!(
+            t_big < t_small * 32 + Duration::from_millis(50),
+            "small {t_small:?}, big {t_big:?}"
+        );
+    }
+
+    struct XorShift(u64);
+    impl XorShift {
+        fn next(&mut self) -> u64 {
+            let mut x = self.0;
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            self.0 = x;
+            x
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n.max(1) as u64) as usize
+        }
+    }
+
+    #[test]
+    fn random_mutations_never_panic() {
+        let seeds: [&[u8]; 5] = [
+            br#"{"model":"m","stream":true,"stream_options":{"include_usage":true},"metadata":{"session_id":"s","user_id":"{\"session_id\":\"u\\u00e9\"}"},"litellm_metadata":{"session_id":42},"user":"x","messages":[{"role":"user","content":"hi \"there\""}]}"#,
+            br#"{"metadata":{"user_id":{"session_id":1.5e3,"x":[null,true,false]}},"user":" "}"#,
+            br#"{"metadata":{"user_id":"{\"session_id\":{\"a\":[1,2]}}"},"tools":[[[]]],"n":-0.0}"#,
+            br#"[{"user":"u"}, 1, "s", null]"#,
+            br#"{"m\u0065tadata":{"session_id":"\ud83d\ude00\n\r\u0000"}}"#,
+        ];
+        let specials: &[&[u8]] = &[
+            b"{", b"}", b"[", b"]", b"\"", b"\\", b"\\u", b"\\ud800", b":", b",", b"\xff", b"\xc3",
+            b"\r\n", b" ", b"1e999", b"-", b"null",
+        ];
+        let h = hdrs(&[]);
+        let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+        for i in 0..4000 {
+            let mut b = seeds[i % seeds.len()].to_vec();
+            for _ in 0..1 + rng.below(4) {
+                let pos = rng.below(b.len() + 1);
+                match rng.below(5) {
+                    0 => b.truncate(pos),
+                    1 => {
+                        if pos < b.len() {
+                            b[pos] = rng.next() as u8;
+                        }
+                    }
+                    2 => {
+                        let s = specials[rng.below(specials.len())];
+                        b.splice(pos..pos, s.iter().copied());
+                    }
+                    3 => {
+                        let end = (pos + rng.below(16)).min(b.len());
+                        b.drain(pos..end);
+                    }
+                    _ => {
+                        let end = (pos + rng.below(32)).min(b.len());
+                        let chunk = b[pos..end].to_vec();
+                        b.splice(pos..pos, chunk);
+                    }
+                }
+            }
+            let fields = parse_body(&b);
+            // Whatever a tree parser reads as an object, the one-pass parser reads too.
+            if let Ok(serde_json::Value::Object(v)) = serde_json::from_slice(&b) {
+                let f = fields.as_ref().expect("a JSON object parses");
+                assert_eq!(f.model.as_deref(), v.get("model").and_then(|m| m.as_str()));
+                assert_eq!(
+                    f.stream,
+                    v.get("stream") == Some(&serde_json::Value::Bool(true))
+                );
+            }
+            for opts in [
+                ON,
+                SidOptions {
+                    session_affinity: true,
+                    body_user_affinity: false,
+                },
+            ] {
+                let (id, src) = extract(&h, fields.as_ref(), &opts);
+                if let Some(id) = &id {
+                    assert!(!is_blank(&id.id));
+                    assert_eq!(id.source, src);
+                }
+                let v = header_value(id.as_ref().map(|s| s.id.as_str()));
+                assert!(v.bytes().all(|c| (0x21..=0x7e).contains(&c)), "{v:?}");
+                let _ = src.label();
+            }
+        }
+    }
+}

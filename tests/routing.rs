@@ -1,0 +1,572 @@
+//! Routing policy end to end: session affinity from every source, tiers, health bans and
+//! recovery, concurrency and availability gates, retries, sub-pools and bare /v1.
+
+mod common;
+
+use std::io::{BufReader, Write};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::*;
+use serde_json::json;
+
+fn three() -> (Vec<warmroute_mock::MockServer>, Vec<SocketAddr>) {
+    let mocks: Vec<_> = (0..3).map(|i| mock(&format!("m{i}"))).collect();
+    let addrs = mocks.iter().map(|m| m.addr()).collect();
+    (mocks, addrs)
+}
+
+fn expected_peer(id: &str, n: usize) -> String {
+    format!("p{}", crc32fast::hash(id.as_bytes()) as usize % n)
+}
+
+fn chat(env: &Env, path: &str, body: serde_json::Value, headers: &str) -> Resp {
+    request(env.public(), &post_json(path, &body.to_string(), headers))
+}
+
+#[test]
+fn every_session_source_pins_to_crc32_mod_n() {
+    let (_m, addrs) = three();
+    let env = start(&[("r", route_for(&addrs, ""))], "");
+    let make = |label: &str, id: &str| -> (serde_json::Value, String) {
+        let mut b = json!({"model": "mock-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
+        let mut h = String::new();
+        match label {
+            "header:x-litellm-session-id" => h = format!("x-litellm-session-id: {id}\r\n"),
+            "header:x-claude-code-session-id" => h = format!("x-claude-code-session-id: {id}\r\n"),
+            "header:x-session-id" => h = format!("X-Session-Id: {id}\r\n"),
+            "body:metadata.session_id" => b["metadata"] = json!({"session_id": id}),
+            "body:litellm_metadata.session_id" => b["litellm_metadata"] = json!({"session_id": id}),
+            "body:metadata.user_id.session_id" => {
+                b["metadata"] = json!({"user_id": {"session_id": id}})
+            }
+            "json-string" => {
+                b["metadata"] = json!({"user_id": json!({"session_id": id}).to_string()})
+            }
+            "body:metadata.user_id" => b["metadata"] = json!({"user_id": id}),
+            "body:user" => b["user"] = json!(id),
+            other => unreachable!("{other}"),
+        }
+        (b, h)
+    };
+    let cases = [
+        ("header:x-litellm-session-id", "header:x-litellm-session-id"),
+        (
+            "header:x-claude-code-session-id",
+            "header:x-claude-code-session-id",
+        ),
+        ("header:x-session-id", "header:x-session-id"),
+        ("body:metadata.session_id", "body:metadata.session_id"),
+        (
+            "body:litellm_metadata.session_id",
+            "body:litellm_metadata.session_id",
+        ),
+        (
+            "body:metadata.user_id.session_id",
+            "body:metadata.user_id.session_id",
+        ),
+        ("json-string", "body:metadata.user_id.session_id"),
+        ("body:metadata.user_id", "body:metadata.user_id"),
+        ("body:user", "body:user"),
+    ];
+    let mut peers_seen = std::collections::HashSet::new();
+    for (kind, label) in cases {
+        for k in 0..6 {
+            let id = format!("session-{k}-{kind}");
+            for _ in 0..2 {
+                let (body, headers) = make(kind, &id);
+                let r = chat(&env, "/r/v1/chat/completions", body, &headers);
+                assert_eq!(r.status, 200);
+                assert_eq!(r.header("x-routed-source"), Some(label), "{id}");
+                assert_eq!(r.header("x-routed-mode"), Some("hash"));
+                assert_eq!(r.header("x-routed-session"), Some(id.as_str()));
+                let want = expected_peer(&id, 3);
+                assert_eq!(
+                    r.header("x-routed-peer"),
+                    Some(want.as_str()),
+                    "{label} {id}"
+                );
+                peers_seen.insert(want);
+            }
+        }
+    }
+    assert_eq!(peers_seen.len(), 3, "ids spread over every peer");
+}
+
+#[test]
+fn blank_ids_and_no_ids_go_least_conn_and_spread() {
+    let (mocks, addrs) = three();
+    let env = start(&[("r", route_for(&addrs, ""))], "");
+    let body =
+        json!({"model": "m", "metadata": {"session_id": "   "}, "user": "\t", "messages": []});
+    let r = chat(
+        &env,
+        "/r/v1/chat/completions",
+        body,
+        "x-session-id:    \r\n",
+    );
+    assert_eq!(r.header("x-routed-mode"), Some("least_conn"));
+    assert_eq!(r.header("x-routed-source"), Some("none"));
+    assert_eq!(r.header("x-routed-session"), Some("-"));
+    // The control: a real id in the same body is used.
+    let body =
+        json!({"model": "m", "metadata": {"session_id": "   "}, "user": "u-1", "messages": []});
+    let r = chat(&env, "/r/v1/chat/completions", body, "");
+    assert_eq!(r.header("x-routed-source"), Some("body:user"));
+    for _ in 0..60 {
+        let r = chat(
+            &env,
+            "/r/v1/chat/completions",
+            json!({"model": "m", "messages": []}),
+            "",
+        );
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("x-routed-mode"), Some("least_conn"));
+    }
+    for m in &mocks {
+        assert!(
+            m.stats().completions >= 8,
+            "60 requests spread over 3 peers: {:?}",
+            mocks
+                .iter()
+                .map(|m| m.stats().completions)
+                .collect::<Vec<_>>()
+        );
+    }
+}
+
+#[test]
+fn affinity_off_and_body_user_off_are_respected() {
+    let (_m, addrs) = three();
+    let env = start(
+        &[
+            ("off", route_for(&addrs, "session_affinity = false\n")),
+            ("nouser", route_for(&addrs, "body_user_affinity = false\n")),
+        ],
+        "",
+    );
+    let r = chat(
+        &env,
+        "/off/v1/chat/completions",
+        json!({"messages": []}),
+        "x-session-id: abc\r\n",
+    );
+    assert_eq!(
+        (r.header("x-routed-source"), r.header("x-routed-mode")),
+        (Some("affinity_off"), Some("least_conn"))
+    );
+    let r = chat(
+        &env,
+        "/nouser/v1/chat/completions",
+        json!({"user": "abc", "messages": []}),
+        "",
+    );
+    assert_eq!(r.header("x-routed-source"), Some("none"));
+    let r = chat(
+        &env,
+        "/nouser/v1/chat/completions",
+        json!({"metadata": {"user_id": "abc"}, "messages": []}),
+        "",
+    );
+    assert_eq!(
+        r.header("x-routed-source"),
+        Some("body:metadata.user_id"),
+        "control: other body sources still count"
+    );
+}
+
+#[test]
+fn a_dead_peer_is_banned_its_sessions_move_and_come_back() {
+    let (mut mocks, addrs) = three();
+    let env = start(
+        &[(
+            "r",
+            route_for(&addrs, "health_check_interval = 1\nhealth_ban_ttl = 60\n"),
+        )],
+        "",
+    );
+    // Ids that map to each peer.
+    let ids: Vec<String> = (0..30).map(|i| format!("conv-{i}")).collect();
+    let target = |id: &str| crc32fast::hash(id.as_bytes()) as usize % 3;
+    let route_of = |id: &str| {
+        let r = chat(
+            &env,
+            "/r/v1/chat/completions",
+            json!({"messages": []}),
+            &format!("x-session-id: {id}\r\n"),
+        );
+        assert_eq!(r.status, 200);
+        (
+            r.header("x-routed-peer").unwrap().to_string(),
+            r.header("x-routed-mode").unwrap().to_string(),
+        )
+    };
+    let victim = 1;
+    let dead = mocks.remove(victim);
+    let dead_addr = dead.addr();
+    dead.shutdown();
+    eventually(
+        Duration::from_secs(5),
+        "peer banned within two intervals",
+        || {
+            request(env.public(), &get("/r/_health_status")).json()[dead_addr.to_string()]["banned"]
+                == true
+        },
+    );
+    for id in &ids {
+        let (peer, mode) = route_of(id);
+        if target(id) == victim {
+            assert_ne!(peer, format!("p{victim}"));
+            assert_eq!(mode, "hash_fallback", "{id}");
+        } else {
+            assert_eq!(
+                (peer, mode),
+                (format!("p{}", target(id)), "hash".to_string()),
+                "other sessions stay"
+            );
+        }
+    }
+    // Bring it back on the same port: it is unbanned and its sessions return.
+    let back = warmroute_mock::MockServer::start(
+        dead_addr,
+        warmroute_mock::MockConfig {
+            name: "m1-again".into(),
+            ttft_base_ms: 0,
+            ttft_per_uncached_token_us: 0,
+            decode_tps: 0.0,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    eventually(Duration::from_secs(5), "peer recovered", || {
+        request(env.public(), &get("/r/_health_status")).json()[dead_addr.to_string()]["banned"]
+            == false
+    });
+    for id in ids.iter().filter(|id| target(id) == victim) {
+        assert_eq!(route_of(id), (format!("p{victim}"), "hash".to_string()));
+    }
+    assert!(back.stats().completions > 0);
+    let hs = request(env.public(), &get("/r/_health_status")).json();
+    assert_eq!(hs[dead_addr.to_string()]["bans"], 1);
+    assert_eq!(hs[dead_addr.to_string()]["unbans"], 1);
+}
+
+#[test]
+fn higher_tier_takes_everything_lower_tier_serves_when_it_is_down() {
+    let hi = mock("hi");
+    let lo = mock("lo");
+    let route = format!(
+        "peers = [ {{ host = \"127.0.0.1\", port = {}, name = \"hi\", priority = 1 }}, {{ host = \"127.0.0.1\", port = {}, name = \"lo\", priority = 0 }} ]\nhealth_check_interval = 1\nhealth_probe_path = \"/health\"\n",
+        hi.addr().port(),
+        lo.addr().port()
+    );
+    let env = start(&[("r", route)], "");
+    for i in 0..10 {
+        let r = chat(
+            &env,
+            "/r/v1/chat/completions",
+            json!({"messages": []}),
+            &format!("x-session-id: s{i}\r\n"),
+        );
+        assert_eq!(r.header("x-routed-peer"), Some("hi"));
+    }
+    hi.set_config(|c| c.health_status = Some(500));
+    eventually(Duration::from_secs(5), "hi banned", || {
+        request(env.public(), &get("/r/_route_state")).json()["active_level"] == 0
+    });
+    for i in 0..10 {
+        let r = chat(
+            &env,
+            "/r/v1/chat/completions",
+            json!({"messages": []}),
+            &format!("x-session-id: s{i}\r\n"),
+        );
+        assert_eq!(
+            (r.header("x-routed-peer"), r.header("x-routed-mode")),
+            (Some("lo"), Some("hash"))
+        );
+    }
+    hi.set_config(|c| c.health_status = None);
+    eventually(Duration::from_secs(5), "hi back", || {
+        request(env.public(), &get("/r/_route_state")).json()["active_level"] == 1
+    });
+}
+
+#[test]
+fn concurrency_gate_429_and_all_banned_503() {
+    let a = mock("a");
+    let b = mock("b");
+    let route = format!(
+        "peers = [ {{ host = \"127.0.0.1\", port = {}, name = \"a\", max_concurrency = 1 }}, {{ host = \"127.0.0.1\", port = {}, name = \"b\", max_concurrency = 1 }} ]\nhealth_check_interval = 1\nhealth_probe_path = \"/health\"\n",
+        a.addr().port(),
+        b.addr().port()
+    );
+    let env = start(&[("r", route)], "");
+    let addr = env.public();
+    let slow = || {
+        std::thread::spawn(move || {
+            request(
+                addr,
+                &post_json(
+                    "/r/v1/chat/completions",
+                    &chat_body("x", false),
+                    "x-mock-ttft-ms: 800\r\n",
+                ),
+            )
+        })
+    };
+    let h1 = slow();
+    let h2 = slow();
+    eventually(Duration::from_secs(5), "two in flight", || {
+        inflight_total(&env, "r") == 2
+    });
+    let third = request(
+        addr,
+        &post_json("/r/v1/chat/completions", &chat_body("x", false), ""),
+    );
+    assert_eq!(third.status, 429);
+    assert_eq!(third.header("retry-after"), Some("1"));
+    let e = &third.json()["error"];
+    assert_eq!(
+        (
+            e["type"].as_str(),
+            e["limit"].as_u64(),
+            e["inflight"].as_i64()
+        ),
+        (Some("concurrency_limit_exceeded"), Some(2), Some(2))
+    );
+    let statuses = [h1.join().unwrap().status, h2.join().unwrap().status];
+    assert_eq!(statuses, [200, 200]);
+    let s = request(addr, &get("/r/_429_status")).json();
+    assert_eq!(s["by_reason"]["concurrency"], 1);
+    // Capacity is back: the same request passes.
+    assert_eq!(
+        request(
+            addr,
+            &post_json("/r/v1/chat/completions", &chat_body("x", false), "")
+        )
+        .status,
+        200
+    );
+    // Reset is loopback-only: from 127.0.0.2 it is refused.
+    let s = std::net::TcpStream::connect(addr);
+    drop(s);
+    let sock = socket2_free_connect_from("127.0.0.2", addr);
+    if let Some(mut c) = sock {
+        c.write_all(&get("/r/_429_status?reset=1")).unwrap();
+        assert_eq!(
+            read_response(&mut BufReader::new(c), false).unwrap().status,
+            403
+        );
+    }
+    assert_eq!(
+        request(addr, &get("/r/_429_status?reset=1")).json()["reset"],
+        true
+    );
+    assert_eq!(request(addr, &get("/r/_429_status")).json()["total"], 0);
+    // All peers down → 503 with Retry-After: 5.
+    a.set_config(|c| c.health_status = Some(503));
+    b.set_config(|c| c.health_status = Some(503));
+    eventually(Duration::from_secs(5), "all banned", || {
+        request(
+            addr,
+            &post_json("/r/v1/chat/completions", &chat_body("x", false), ""),
+        )
+        .status
+            == 503
+    });
+    let r = request(
+        addr,
+        &post_json("/r/v1/chat/completions", &chat_body("x", false), ""),
+    );
+    assert_eq!(r.header("retry-after"), Some("5"));
+    assert_eq!(r.json()["error"]["type"], "no_healthy_upstream");
+}
+
+/// Connect from a specific loopback source address (127.0.0.2 is loopback but not 127.0.0.1).
+fn socket2_free_connect_from(src: &str, dst: SocketAddr) -> Option<std::net::TcpStream> {
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).ok()?;
+    let src: SocketAddr = format!("{src}:0").parse().ok()?;
+    sock.bind(&src.into()).ok()?;
+    sock.connect(&dst.into()).ok()?;
+    Some(sock.into())
+}
+
+#[test]
+fn a_refusing_peer_is_retried_elsewhere_and_banned() {
+    let alive = mock("alive");
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let env = start(
+        &[(
+            "r",
+            route_for(&[dead, alive.addr()], "health_check_interval = 3600\n"),
+        )],
+        "",
+    );
+    // A session pinned to the dead peer (index 0).
+    let id = (0..)
+        .map(|i| format!("s{i}"))
+        .find(|s| crc32fast::hash(s.as_bytes()).is_multiple_of(2))
+        .unwrap();
+    let r = chat(
+        &env,
+        "/r/v1/chat/completions",
+        json!({"messages": []}),
+        &format!("x-session-id: {id}\r\n"),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-routed-peer"), Some("p1"));
+    assert_eq!(r.header("x-routed-retries"), Some("1"));
+    // The connect failure banned it at once: the next request goes straight to p1.
+    let r = chat(
+        &env,
+        "/r/v1/chat/completions",
+        json!({"messages": []}),
+        &format!("x-session-id: {id}\r\n"),
+    );
+    assert_eq!(
+        (r.header("x-routed-retries"), r.header("x-routed-mode")),
+        (Some("0"), Some("hash_fallback"))
+    );
+    assert_eq!(
+        request(env.public(), &get("/r/_health_status")).json()[dead.to_string()]["banned"],
+        true
+    );
+}
+
+#[test]
+fn sub_pools_by_model_and_bare_v1() {
+    let a = mock("a");
+    let b = mock("b");
+    let route = format!(
+        "[peers_by_model]\n\"llama\" = [ {{ host = \"127.0.0.1\", port = {} , name = \"a\" }} ]\n\"qwen\" = [ {{ host = \"127.0.0.1\", port = {}, name = \"b\" }} ]\n",
+        a.addr().port(),
+        b.addr().port()
+    );
+    let flat = route_for(&[a.addr()], "models = [\"solo\"]\n");
+    let env = start(&[("bm", route), ("flat", flat)], "");
+    let r = chat(
+        &env,
+        "/bm/v1/chat/completions",
+        json!({"model": "qwen", "messages": []}),
+        "",
+    );
+    assert_eq!((r.status, r.header("x-routed-peer")), (200, Some("b")));
+    let r = chat(
+        &env,
+        "/bm/v1/chat/completions",
+        json!({"model": "gpt", "messages": []}),
+        "",
+    );
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["type"], "model_not_supported");
+    assert_eq!(
+        r.json()["error"]["supported_models"],
+        json!(["llama", "qwen"])
+    );
+    let r = request(env.public(), &get("/bm/v1/models"));
+    assert_eq!(
+        r.json(),
+        json!({"object": "list", "data": [{"id": "llama", "object": "model"}, {"id": "qwen", "object": "model"}]})
+    );
+    assert_eq!(
+        a.stats().http_requests + b.stats().http_requests - a.stats().requests - b.stats().requests,
+        probes_only(&a, &b),
+        "the model list was answered locally"
+    );
+    // Bare /v1: the model picks the route.
+    let r = chat(
+        &env,
+        "/v1/chat/completions",
+        json!({"model": "llama", "messages": []}),
+        "",
+    );
+    assert_eq!((r.status, r.header("x-routed-peer")), (200, Some("a")));
+    let r = chat(
+        &env,
+        "/v1/chat/completions",
+        json!({"model": "solo", "messages": []}),
+        "",
+    );
+    assert_eq!((r.status, r.header("x-routed-peer")), (200, Some("p0")));
+    let r = chat(
+        &env,
+        "/v1/chat/completions",
+        json!({"model": "nope", "messages": []}),
+        "",
+    );
+    assert_eq!(r.status, 400);
+    assert_eq!(
+        r.json()["error"]["supported_models"],
+        json!(["llama", "qwen", "solo"])
+    );
+    let ids: Vec<String> = request(env.public(), &get("/v1/models")).json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids, ["llama", "qwen", "solo"]);
+}
+
+fn probes_only(a: &warmroute_mock::MockServer, b: &warmroute_mock::MockServer) -> u64 {
+    // Everything the mocks saw that was not a completion: health probes only.
+    a.stats().http_requests + b.stats().http_requests - a.stats().requests - b.stats().requests
+}
+
+#[test]
+fn debug_endpoints_explain_and_dry_run_routing() {
+    let (mocks, addrs) = three();
+    let env = start(&[("r", route_for(&addrs, ""))], "");
+    let d = request(env.public(), &get("/r/_route_debug?sid=conv-7")).json();
+    let want = expected_peer("conv-7", 3);
+    assert_eq!(d["natural_target"], want.as_str());
+    assert_eq!(d["actual_pick"], want.as_str());
+    assert_eq!(d["actual_mode"], "hash");
+    let body =
+        json!({"model": "m", "metadata": {"session_id": "conv-7"}, "messages": []}).to_string();
+    let i = request(env.public(), &post_json("/r/_route_inspect", &body, "")).json();
+    assert_eq!(
+        (i["pick"].as_str(), i["source"].as_str(), i["mode"].as_str()),
+        (
+            Some(want.as_str()),
+            Some("body:metadata.session_id"),
+            Some("hash")
+        )
+    );
+    assert_eq!(
+        mocks.iter().map(|m| m.stats().requests).sum::<u64>(),
+        0,
+        "inspect forwards nothing"
+    );
+    let s = request(env.public(), &get("/r/_route_state")).json();
+    assert_eq!(
+        (
+            s["active_level"].as_i64(),
+            s["limit"].as_u64(),
+            s["healthy_peers_in_level"].as_u64()
+        ),
+        (Some(0), Some(60), Some(3))
+    );
+    let admin = request(env.admin(), &get("/_routes")).json();
+    assert_eq!(admin["routes"][0]["name"], "r");
+    // _active_conns_set writes only from loopback and changes what the gate sees.
+    let r = request(env.public(), &get("/r/_active_conns_set?peer=p0&value=5"));
+    assert_eq!(r.json()["ok"], true);
+    assert_eq!(
+        request(env.public(), &get("/r/_active_conns")).json()["p0"],
+        5
+    );
+    request(env.public(), &get("/r/_active_conns_set?flush=1"));
+    assert_eq!(inflight_total(&env, "r"), 0);
+    if let Some(mut c) = socket2_free_connect_from("127.0.0.2", env.public()) {
+        c.write_all(&get("/r/_active_conns_set?flush=1")).unwrap();
+        assert_eq!(
+            read_response(&mut BufReader::new(c), false).unwrap().status,
+            403
+        );
+    }
+}
