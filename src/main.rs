@@ -221,37 +221,63 @@ fn serve(source: ConfigSource, overrides: Overrides) -> ExitCode {
     run_until_signalled(router, signals)
 }
 
+/// How often the route files, server file and key file are checked for changes.
+const WATCH_INTERVAL: Duration = Duration::from_secs(1);
+
 fn run_until_signalled(
     mut router: Router,
     mut signals: signal_hook::iterator::Signals,
 ) -> ExitCode {
     let drain_default = Duration::from_secs(router.config.server.drain_timeout_s);
-    for sig in signals.forever() {
-        match sig {
-            SIGHUP => {
-                if let Err(errs) = router.reload() {
-                    for e in &errs {
-                        tracing::error!("reload refused: {e}");
-                    }
-                    tracing::error!(
-                        errors = errs.len(),
-                        "reload refused; the running configuration stays"
-                    );
+    let mut stamp = router.watch_stamp();
+    let mut checked = std::time::Instant::now();
+    loop {
+        // Signals first; between them, poll the files and reload on a change as SIGHUP would.
+        let pending: Vec<i32> = signals.pending().collect();
+        if pending.is_empty() {
+            std::thread::sleep(Duration::from_millis(50));
+            if checked.elapsed() >= WATCH_INTERVAL {
+                checked = std::time::Instant::now();
+                let now = router.watch_stamp();
+                if now != stamp {
+                    stamp = now;
+                    tracing::info!("configuration files changed on disk; reloading");
+                    reload(&mut router);
                 }
             }
-            SIGINT => {
-                tracing::info!("SIGINT: draining (5 s limit)");
-                router.shutdown(Duration::from_secs(5));
-                return ExitCode::SUCCESS;
-            }
-            _ => {
-                tracing::info!(timeout_s = drain_default.as_secs(), "draining");
-                router.shutdown(drain_default);
-                return ExitCode::SUCCESS;
+            continue;
+        }
+        for sig in pending {
+            match sig {
+                SIGHUP => {
+                    reload(&mut router);
+                    stamp = router.watch_stamp();
+                }
+                SIGINT => {
+                    tracing::info!("SIGINT: draining (5 s limit)");
+                    router.shutdown(Duration::from_secs(5));
+                    return ExitCode::SUCCESS;
+                }
+                _ => {
+                    tracing::info!(timeout_s = drain_default.as_secs(), "draining");
+                    router.shutdown(drain_default);
+                    return ExitCode::SUCCESS;
+                }
             }
         }
     }
-    ExitCode::SUCCESS
+}
+
+fn reload(router: &mut Router) {
+    if let Err(errs) = router.reload() {
+        for e in &errs {
+            tracing::error!("reload refused: {e}");
+        }
+        tracing::error!(
+            errors = errs.len(),
+            "reload refused; the running configuration stays"
+        );
+    }
 }
 
 fn demo(overrides: Overrides) -> ExitCode {

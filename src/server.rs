@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use warmroute_shm::{Capacities, Segment};
 
-use crate::auth::{load_key_file, KeyFile, KeyFileStatus};
+use crate::auth::{file_stamp, load_key_file, FileStamp, KeyFile, KeyFileStatus};
 use crate::config::{self, Config, ConfigError};
 use crate::snapshot::Snapshot;
 use crate::worker::{default_worker_count, AccessLogTarget, StartOptions, Workers};
@@ -227,6 +227,38 @@ impl Router {
             "configuration reloaded"
         );
         Ok(())
+    }
+
+    /// What the watcher compares to notice changes on disk: the server file, every route
+    /// file and the key file (following symlinks, so a Kubernetes secret swap counts).
+    pub fn watch_stamp(&self) -> Vec<(PathBuf, FileStamp)> {
+        let mut paths: Vec<PathBuf> = Vec::new();
+        if let ConfigSource::Files(Some(p)) = &self.source {
+            paths.push(p.clone());
+        }
+        if matches!(self.source, ConfigSource::Files(_)) {
+            let dir = &self.config.server.routes_dir;
+            paths.push(dir.clone());
+            if let Ok(rd) = std::fs::read_dir(dir) {
+                let mut files: Vec<PathBuf> = rd
+                    .flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+                    .collect();
+                files.sort();
+                paths.extend(files);
+            }
+        }
+        if let Some(k) = &self.config.server.api_keys_file {
+            paths.push(k.clone());
+        }
+        paths
+            .into_iter()
+            .map(|p| {
+                let st = file_stamp(&p);
+                (p, st)
+            })
+            .collect()
     }
 
     pub fn drain(&self, timeout: Duration) {

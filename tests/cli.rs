@@ -72,8 +72,12 @@ impl Drop for Proc {
 
 /// Write a server file into `dir` and return its path.
 fn server_file(dir: &Path, public: u16, admin: u16, shm: &Path) -> PathBuf {
+    server_file_with(dir, public, admin, shm, "")
+}
+
+fn server_file_with(dir: &Path, public: u16, admin: u16, shm: &Path, extra: &str) -> PathBuf {
     let p = dir.join("warmroute.toml");
-    std::fs::write(&p, format!("listen = \"127.0.0.1:{public}\"\nadmin_listen = \"127.0.0.1:{admin}\"\nroutes_dir = \"routes\"\nshm_path = \"{}\"\n", shm.display())).unwrap();
+    std::fs::write(&p, format!("listen = \"127.0.0.1:{public}\"\nadmin_listen = \"127.0.0.1:{admin}\"\nroutes_dir = \"routes\"\nshm_path = \"{}\"\n{extra}", shm.display())).unwrap();
     p
 }
 
@@ -96,10 +100,14 @@ fn spawn_serve(config: &Path, extra: &[&str]) -> Child {
 }
 
 fn start_serve(dir: &Path) -> Proc {
+    start_serve_with(dir, "", &[])
+}
+
+fn start_serve_with(dir: &Path, server_extra: &str, args: &[&str]) -> Proc {
     let (p, a) = (free_port(), free_port());
     let shm = dir.join("segment");
-    let cfg = server_file(dir, p, a, &shm);
-    let child = spawn_serve(&cfg, &[]);
+    let cfg = server_file_with(dir, p, a, &shm, server_extra);
+    let child = spawn_serve(&cfg, args);
     let public: SocketAddr = format!("127.0.0.1:{p}").parse().unwrap();
     let admin: SocketAddr = format!("127.0.0.1:{a}").parse().unwrap();
     // Built before waiting, so a failed start still kills the child.
@@ -348,4 +356,156 @@ fn a_crashed_router_leaves_no_phantom_in_flight() {
     wait_ready_or_dump(&q, &d.0);
     let r = request(q.public, &get("/a/_active_conns"));
     assert_eq!(r.json()["p0"], 0);
+}
+
+fn chat_with_key(p: &Proc, route: &str, key: &str, extra: &str) -> Resp {
+    request(
+        p.public,
+        &post_json(
+            &format!("/{route}/v1/chat/completions"),
+            &chat_body("x", false),
+            &format!("Authorization: Bearer {key}\r\n{extra}"),
+        ),
+    )
+}
+
+#[test]
+fn key_rotation_by_sighup_keeps_streams_and_logs_owners_not_keys() {
+    let d = temp_dir("keys");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let keys = d.0.join("keys");
+    std::fs::write(&keys, "old-secret-1:alice\n").unwrap();
+    let log = d.0.join("access.log");
+    let p = start_serve_with(
+        &d.0,
+        &format!("api_keys_file = \"{}\"\n", keys.display()),
+        &["--access-log", log.to_str().unwrap()],
+    );
+    assert_eq!(chat_with_key(&p, "a", "wrong", "").status, 401);
+    assert_eq!(
+        request(
+            p.public,
+            &post_json("/a/v1/chat/completions", &chat_body("x", false), "")
+        )
+        .status,
+        401
+    );
+    assert_eq!(chat_with_key(&p, "a", "old-secret-1", "").status, 200);
+    // A long stream authorised with the old key.
+    let mut s = connect(p.public);
+    s.write_all(&post_json(
+        "/a/v1/chat/completions",
+        &chat_body("x", true),
+        "Authorization: Bearer old-secret-1\r\nx-mock-tokens: 10\r\nx-mock-interval-ms: 100\r\n",
+    ))
+    .unwrap();
+    std::fs::write(&keys, "new-secret-2:bob,other-3:carol").unwrap();
+    p.signal("HUP");
+    eventually(Duration::from_secs(5), "new key accepted", || {
+        chat_with_key(&p, "a", "new-secret-2", "").status == 200
+    });
+    assert_eq!(chat_with_key(&p, "a", "old-secret-1", "").status, 401);
+    let r = request(
+        p.public,
+        &post_json(
+            "/a/v1/chat/completions",
+            &chat_body("x", false),
+            "x-api-key: other-3\r\n",
+        ),
+    );
+    assert_eq!(r.status, 200, "x-api-key works too");
+    let resp = read_response(&mut BufReader::new(s), false).unwrap();
+    assert!(
+        resp.text().contains("[DONE]"),
+        "the stream finished across the rotation"
+    );
+    let hs = request(p.public, &get("/a/_health_status")).json();
+    assert_eq!(
+        hs["_meta"],
+        serde_json::json!({"api_keys_configured": true, "route_auth_enabled": true, "key_file_status": "ok"})
+    );
+    // Owners are logged, keys never.
+    let text = || std::fs::read_to_string(&log).unwrap_or_default();
+    eventually(Duration::from_secs(3), "access log flushed", || {
+        text().contains("\"owner\":\"bob\"")
+    });
+    assert!(text().contains("\"owner\":\"alice\""));
+    assert!(!text().contains("secret"), "no key in the access log");
+}
+
+#[test]
+fn a_missing_key_file_fails_open_and_says_so() {
+    let d = temp_dir("nokeys");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    std::fs::write(
+        d.0.join("routes/locked.toml"),
+        route_for(&[m.addr()], "api_keys = { \"route-key\" = \"dave\" }\n"),
+    )
+    .unwrap();
+    let p = start_serve_with(
+        &d.0,
+        &format!("api_keys_file = \"{}\"\n", d.0.join("absent").display()),
+        &[],
+    );
+    assert_eq!(
+        request(
+            p.public,
+            &post_json("/a/v1/chat/completions", &chat_body("x", false), "")
+        )
+        .status,
+        200
+    );
+    let hs = request(p.public, &get("/a/_health_status")).json();
+    assert_eq!(
+        hs["_meta"],
+        serde_json::json!({"api_keys_configured": false, "route_auth_enabled": false, "key_file_status": "missing"})
+    );
+    // The control: a route with its own table still enforces it.
+    assert_eq!(
+        request(
+            p.public,
+            &post_json("/locked/v1/chat/completions", &chat_body("x", false), "")
+        )
+        .status,
+        401
+    );
+    assert_eq!(chat_with_key(&p, "locked", "route-key", "").status, 200);
+    assert_eq!(
+        request(p.public, &get("/locked/_health_status")).json()["_meta"]["route_auth_enabled"],
+        true
+    );
+}
+
+#[test]
+fn route_files_and_a_swapped_key_secret_are_picked_up_without_a_signal() {
+    let d = temp_dir("watch");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    // A Kubernetes-style secret: keys -> ..data/keys, ..data -> v1.
+    let sec = d.0.join("secret");
+    std::fs::create_dir_all(sec.join("v1")).unwrap();
+    std::fs::write(sec.join("v1/keys"), "k1:one").unwrap();
+    std::os::unix::fs::symlink("v1", sec.join("..data")).unwrap();
+    std::os::unix::fs::symlink("..data/keys", sec.join("keys")).unwrap();
+    let p = start_serve_with(
+        &d.0,
+        &format!("api_keys_file = \"{}\"\n", sec.join("keys").display()),
+        &[],
+    );
+    assert_eq!(chat_with_key(&p, "a", "k1", "").status, 200);
+    std::fs::write(d.0.join("routes/b.toml"), route_for(&[m.addr()], "")).unwrap();
+    eventually(Duration::from_secs(6), "new route served", || {
+        chat_with_key(&p, "b", "k1", "").status == 200
+    });
+    // Swap the secret atomically, as the kubelet does.
+    std::fs::create_dir_all(sec.join("v2")).unwrap();
+    std::fs::write(sec.join("v2/keys"), "k2:two").unwrap();
+    std::os::unix::fs::symlink("v2", sec.join("..data_tmp")).unwrap();
+    std::fs::rename(sec.join("..data_tmp"), sec.join("..data")).unwrap();
+    eventually(Duration::from_secs(6), "swapped key accepted", || {
+        chat_with_key(&p, "a", "k2", "").status == 200
+    });
+    assert_eq!(chat_with_key(&p, "a", "k1", "").status, 401);
 }
