@@ -5,14 +5,15 @@
 //! likely to have been closed by the peer). A connection the peer closed while idle is
 //! found out on use; the caller retries once on a fresh connection.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use monoio::net::TcpStream;
 
 pub struct UpstreamPool {
-    idle: HashMap<SocketAddr, Vec<(TcpStream, Instant)>>,
+    /// Per peer address, idle connections oldest first. A short list scanned linearly:
+    /// faster than hashing for the handful of peers a worker talks to.
+    idle: Vec<(SocketAddr, Vec<(TcpStream, Instant)>)>,
     per_peer_max: usize,
     idle_timeout: Duration,
 }
@@ -20,7 +21,7 @@ pub struct UpstreamPool {
 impl UpstreamPool {
     pub fn new(per_peer_max: usize, idle_timeout: Duration) -> UpstreamPool {
         UpstreamPool {
-            idle: HashMap::new(),
+            idle: Vec::new(),
             per_peer_max,
             idle_timeout,
         }
@@ -32,7 +33,7 @@ impl UpstreamPool {
     }
 
     pub fn take(&mut self, addr: SocketAddr, now: Instant) -> Option<TcpStream> {
-        let list = self.idle.get_mut(&addr)?;
+        let list = &mut self.idle.iter_mut().find(|(a, _)| *a == addr)?.1;
         while let Some((s, since)) = list.pop() {
             if now.duration_since(since) < self.idle_timeout {
                 return Some(s);
@@ -45,7 +46,14 @@ impl UpstreamPool {
         if self.per_peer_max == 0 {
             return;
         }
-        let list = self.idle.entry(addr).or_default();
+        let i = match self.idle.iter().position(|(a, _)| *a == addr) {
+            Some(i) => i,
+            None => {
+                self.idle.push((addr, Vec::new()));
+                self.idle.len() - 1
+            }
+        };
+        let list = &mut self.idle[i].1;
         if list.len() >= self.per_peer_max {
             list.remove(0);
         }
@@ -54,13 +62,13 @@ impl UpstreamPool {
 
     pub fn evict_expired(&mut self, now: Instant) {
         let t = self.idle_timeout;
-        self.idle.retain(|_, list| {
+        self.idle.retain_mut(|(_, list)| {
             list.retain(|(_, since)| now.duration_since(*since) < t);
             !list.is_empty()
         });
     }
 
     pub fn idle_count(&self) -> usize {
-        self.idle.values().map(Vec::len).sum()
+        self.idle.iter().map(|(_, l)| l.len()).sum()
     }
 }

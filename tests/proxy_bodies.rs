@@ -221,3 +221,44 @@ fn sequential_keep_alive_requests_have_no_delayed_ack_floor() {
         "100 keep-alive requests took {took:?}"
     );
 }
+
+#[test]
+fn upstream_api_key_replaces_the_clients_credentials() {
+    let m = mock("m0");
+    let env = start(
+        &[
+            (
+                "swap",
+                route_for(&[m.addr()], "upstream_api_key = \"backend-key\"\n"),
+            ),
+            ("plain", route_for(&[m.addr()], "")),
+        ],
+        "",
+    );
+    let echo = |route: &str| {
+        let raw = format!("GET /{route}/v1/x HTTP/1.1\r\nHost: t\r\nx-mock-echo: 1\r\nAuthorization: Bearer client-key\r\nx-api-key: client-key\r\n\r\n");
+        let r = request(env.public(), raw.as_bytes());
+        let headers: Vec<(String, String)> =
+            serde_json::from_str(r.header("x-mock-echo-headers").unwrap()).unwrap();
+        headers
+    };
+    let swapped = echo("swap");
+    let auth: Vec<&String> = swapped
+        .iter()
+        .filter(|(k, _)| k.eq_ignore_ascii_case("authorization"))
+        .map(|(_, v)| v)
+        .collect();
+    assert_eq!(
+        auth,
+        ["Bearer backend-key"],
+        "exactly one Authorization, the route's"
+    );
+    assert!(!swapped
+        .iter()
+        .any(|(k, _)| k.eq_ignore_ascii_case("x-api-key")));
+    // The control: without the option the client's credentials pass through.
+    let plain = echo("plain");
+    assert!(plain
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("authorization") && v == "Bearer client-key"));
+}

@@ -95,18 +95,47 @@ impl Headers {
         })
     }
 
+    /// Names and values as bytes: lookups compare bytes and skip UTF-8 checks.
+    fn iter_bytes(&self) -> impl Iterator<Item = (&[u8], &[u8])> + '_ {
+        self.spans.iter().map(move |s| {
+            (
+                &self.raw[s[0] as usize..(s[0] + s[1]) as usize],
+                &self.raw[s[2] as usize..(s[2] + s[3]) as usize],
+            )
+        })
+    }
+
     /// First value of a header, case-insensitive.
     pub fn get(&self, name: &str) -> Option<&[u8]> {
-        self.iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+        self.iter_bytes()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
             .map(|(_, v)| v)
     }
 
     /// Every value of a header, case-insensitive.
     pub fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
-        self.iter()
-            .filter(move |(n, _)| n.eq_ignore_ascii_case(name))
+        self.iter_bytes()
+            .filter(move |(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
             .map(|(_, v)| v)
+    }
+
+    /// Whether `name` is listed in a `Connection` header as a hop-by-hop header
+    /// (RFC 9110 §7.6.1). `close` and `keep-alive` are options, never header names here.
+    pub fn connection_lists(&self, name: &str) -> bool {
+        self.has_token("connection", name)
+    }
+
+    /// Whether the `Connection` header names anything besides `close`/`keep-alive`, i.e.
+    /// whether `connection_lists` can ever be true (so callers can skip per-header checks).
+    pub fn connection_names_headers(&self) -> bool {
+        self.get_all("connection").any(|v| {
+            v.split(|&b| b == b',').any(|t| {
+                let t = trim(t);
+                !t.is_empty()
+                    && !t.eq_ignore_ascii_case(b"close")
+                    && !t.eq_ignore_ascii_case(b"keep-alive")
+            })
+        })
     }
 
     /// Whether any comma-separated token of any `name` header equals `token` (case-insensitive).

@@ -9,7 +9,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use monoio::buf::IoBufMut;
-use monoio::io::{AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt, OwnedReadHalf, OwnedWriteHalf};
+use monoio::io::{
+    AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt, CancelableAsyncReadRent, OwnedReadHalf,
+    OwnedWriteHalf,
+};
 use monoio::net::TcpStream;
 use monoio::BufResult;
 
@@ -24,6 +27,8 @@ pub struct ClientConn {
     /// Bytes received and not yet consumed (the start of the next head, pipelined requests).
     pub inbuf: Vec<u8>,
     pub addr: SocketAddr,
+    /// The client's IP as text, formatted once per connection for the forwarding headers.
+    pub ip: String,
 }
 
 /// What waiting for a request head produced.
@@ -115,14 +120,12 @@ impl ClientConn {
                     self.write_all_bytes(b"HTTP/1.1 100 Continue\r\n\r\n".to_vec())
                         .await?;
                 }
-                if self.inbuf.len() >= n {
-                    let rest = self.inbuf.split_off(n);
-                    let body = std::mem::replace(&mut self.inbuf, rest);
-                    return Ok(Bytes::from(body));
-                }
-                // Take what is buffered and read the rest straight into the body.
-                let mut body = std::mem::take(&mut self.inbuf);
-                body.reserve_exact(n - body.len());
+                // The body gets an exact-size buffer of its own; the connection keeps its
+                // read buffer (and its capacity) for the next request.
+                let mut body = Vec::with_capacity(n);
+                let have = self.inbuf.len().min(n);
+                body.extend_from_slice(&self.inbuf[..have]);
+                self.inbuf.drain(..have);
                 while body.len() < n {
                     let len = body.len();
                     let (res, slice) = match monoio::time::timeout(
@@ -225,18 +228,34 @@ pub async fn write_client(
 /// A read on the client kept pending while the peer works: it completes with EOF when
 /// the client goes away (also during a silent prefill), so the upstream can be closed at
 /// once. Pipelined bytes it happens to read are kept and handed back at the end.
-pub struct ClientWatch<'a, F: Future<Output = BufResult<usize, Vec<u8>>>> {
-    fut: Pin<&'a mut F>,
+///
+/// Armed lazily: a request answered within `WATCH_ARM_DELAY` never issues the read (nor
+/// its cancellation), which is most of the cost of watching on short requests. A client
+/// that leaves is still noticed at most that delay late.
+pub struct ClientWatch<'a> {
+    rd: Option<&'a mut OwnedReadHalf<TcpStream>>,
+    fut: Option<WatchRead<'a>>,
+    canceller: monoio::io::Canceller,
     done: Option<BufResult<usize, Vec<u8>>>,
+    arm_at: monoio::time::Instant,
 }
+
+/// The armed watch read.
+type WatchRead<'a> = Pin<Box<dyn Future<Output = BufResult<usize, Vec<u8>>> + 'a>>;
 
 /// The client closed its connection (or it failed) while we waited.
 #[derive(Debug)]
 pub struct ClientGone;
 
-impl<'a, F: Future<Output = BufResult<usize, Vec<u8>>>> ClientWatch<'a, F> {
-    pub fn new(fut: Pin<&'a mut F>) -> Self {
-        ClientWatch { fut, done: None }
+impl<'a> ClientWatch<'a> {
+    pub fn new(rd: &'a mut OwnedReadHalf<TcpStream>) -> Self {
+        ClientWatch {
+            rd: Some(rd),
+            fut: None,
+            canceller: monoio::io::Canceller::new(),
+            done: None,
+            arm_at: monoio::time::Instant::now() + WATCH_ARM_DELAY,
+        }
     }
 
     fn gone(&self) -> bool {
@@ -249,12 +268,23 @@ impl<'a, F: Future<Output = BufResult<usize, Vec<u8>>>> ClientWatch<'a, F> {
             return Err(ClientGone);
         }
         let mut other = std::pin::pin!(other);
+        let mut arm = std::pin::pin!(monoio::time::sleep_until(self.arm_at));
         std::future::poll_fn(|cx| {
             if let Poll::Ready(v) = other.as_mut().poll(cx) {
                 return Poll::Ready(Ok(v));
             }
-            if self.done.is_none() {
-                if let Poll::Ready(r) = self.fut.as_mut().poll(cx) {
+            if self.fut.is_none() && self.done.is_none() {
+                if arm.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                if let Some(rd) = self.rd.take() {
+                    let buf = Vec::with_capacity(WATCH_BUF_BYTES);
+                    self.fut = Some(Box::pin(rd.cancelable_read(buf, self.canceller.handle())));
+                }
+            }
+            if let Some(f) = self.fut.as_mut() {
+                if let Poll::Ready(r) = f.as_mut().poll(cx) {
+                    self.fut = None;
                     self.done = Some(r);
                     if self.gone() {
                         return Poll::Ready(Err(ClientGone));
@@ -266,14 +296,15 @@ impl<'a, F: Future<Output = BufResult<usize, Vec<u8>>>> ClientWatch<'a, F> {
         .await
     }
 
-    /// Stop watching: cancel the pending read and return any bytes it read.
-    pub async fn finish(mut self, canceller: monoio::io::Canceller) -> Option<Vec<u8>> {
-        let r = match self.done.take() {
-            Some(r) => r,
-            None => {
-                canceller.cancel();
-                self.fut.as_mut().await
+    /// Stop watching: cancel the pending read (if it was armed) and return any bytes it read.
+    pub async fn finish(mut self) -> Option<Vec<u8>> {
+        let r = match (self.done.take(), self.fut.take()) {
+            (Some(r), _) => r,
+            (None, Some(f)) => {
+                let _ = self.canceller.cancel();
+                f.await
             }
+            (None, None) => return None,
         };
         match r {
             (Ok(n), buf) if n > 0 => Some(buf),
@@ -281,3 +312,8 @@ impl<'a, F: Future<Output = BufResult<usize, Vec<u8>>>> ClientWatch<'a, F> {
         }
     }
 }
+
+/// How long a request may take before its client is watched for disconnects.
+const WATCH_ARM_DELAY: std::time::Duration = std::time::Duration::from_millis(25);
+/// Bytes the client-watch read may take of a pipelined next request.
+const WATCH_BUF_BYTES: usize = 1024;

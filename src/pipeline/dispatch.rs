@@ -1,11 +1,16 @@
 //! Dispatch: which route a request path names, and what the peer sees as its path.
 //! Pure: takes the path and the route names, no IO.
 
+use std::borrow::Cow;
+
 /// Where a request goes.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Dispatch<'a> {
     /// Proxy to route `route` with upstream target `/<rest>` (query kept).
-    Proxy { route: &'a str, target: String },
+    Proxy {
+        route: &'a str,
+        target: Cow<'a, str>,
+    },
     /// A route debug endpoint `/<route>/_<name>`.
     Debug { route: &'a str, endpoint: &'a str },
     /// A server-wide endpoint (admin port, or `/v1/models` without a route).
@@ -18,11 +23,10 @@ pub enum Dispatch<'a> {
 
 /// Split `/<route>/<rest>?query`. `is_route` tells which first segments are routes.
 pub fn resolve<'a>(target: &'a str, is_route: impl Fn(&str) -> bool) -> Dispatch<'a> {
-    let (path, query) = match target.split_once('?') {
-        Some((p, q)) => (p, Some(q)),
-        None => (target, None),
+    let path = target.split_once('?').map_or(target, |(p, _)| p);
+    let Some(trimmed) = path.strip_prefix('/') else {
+        return Dispatch::UnknownRoute { name: "" };
     };
-    let trimmed = path.strip_prefix('/').unwrap_or(path);
     let (first, rest) = match trimmed.split_once('/') {
         Some((f, r)) => (f, r),
         None => (trimmed, ""),
@@ -36,13 +40,14 @@ pub fn resolve<'a>(target: &'a str, is_route: impl Fn(&str) -> bool) -> Dispatch
                 };
             }
         }
-        let mut t = String::with_capacity(rest.len() + 2 + query.map_or(0, |q| q.len() + 1));
-        t.push('/');
-        t.push_str(rest);
-        if let Some(q) = query {
-            t.push('?');
-            t.push_str(q);
-        }
+        // The upstream target is the request target after `/<route>`: a borrowed suffix,
+        // except for `/<route>` itself, which becomes `/`.
+        let after = &target[1 + first.len()..];
+        let t = if after.starts_with('/') {
+            Cow::Borrowed(after)
+        } else {
+            Cow::Owned(format!("/{after}"))
+        };
         return Dispatch::Proxy {
             route: first,
             target: t,

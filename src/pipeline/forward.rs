@@ -1,7 +1,6 @@
 //! Forwarding: build the upstream request, get a connection (pooled or fresh), send, and
 //! wait for the response head — all raced against the client going away.
 
-use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -10,7 +9,6 @@ use bytes::Bytes;
 use monoio::buf::IoBufMut;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
-use monoio::BufResult;
 
 use crate::http::{self, is_hop_by_hop, write_header, HeadParse, RequestHead, ResponseHead};
 use crate::limits::{INLINE_BODY_BYTES_MAX, INTERIM_RESPONSES_MAX, RELAY_READ_BUF_BYTES};
@@ -33,61 +31,68 @@ fn replaced_by_proxy(name: &str) -> bool {
     SET.iter().any(|h| h.eq_ignore_ascii_case(name))
 }
 
-/// The request head for the peer: method, rewritten target, the client's end-to-end
-/// headers, and the proxy's own (`Host`, `Content-Length`, forwarding headers).
+/// The request for the peer, in one buffer: method, rewritten target, the client's
+/// end-to-end headers, the proxy's own (`Host`, `Content-Length`, forwarding headers)
+/// and — when it is small — the body, so head and body leave in one write.
 /// `authorization`, when set (`upstream_api_key`), replaces the client's credentials.
-pub fn build_request_head(
+/// Returns the buffer and whether the body is in it.
+pub fn build_request(
     head: &RequestHead,
     target: &str,
     peer: &PeerRt,
-    client: SocketAddr,
-    body_len: usize,
+    client_ip: &str,
+    body: &[u8],
     authorization: Option<&str>,
-) -> Vec<u8> {
-    let mut out = Vec::with_capacity(256 + head.headers.len() * 48);
+) -> (Vec<u8>, bool) {
+    use std::io::Write;
+    let inline = body.len() <= INLINE_BODY_BYTES_MAX;
+    let mut out =
+        Vec::with_capacity(384 + head.headers.len() * 48 + if inline { body.len() } else { 0 });
     out.extend_from_slice(head.method().as_bytes());
     out.push(b' ');
     out.extend_from_slice(target.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
     write_header(&mut out, "Host", peer.host_header.as_bytes());
-    let ip = client.ip().to_string();
-    let mut xff: Option<Vec<u8>> = None;
+    let listed = head.headers.connection_names_headers();
     for (name, value) in head.headers.iter() {
-        if name.eq_ignore_ascii_case("x-forwarded-for") {
-            let v = xff.get_or_insert_with(Vec::new);
-            if !v.is_empty() {
-                v.extend_from_slice(b", ");
-            }
-            v.extend_from_slice(value);
-            continue;
-        }
         if is_hop_by_hop(name)
             || replaced_by_proxy(name)
-            || head.headers.has_token("connection", name)
+            || (listed && head.headers.connection_lists(name))
+        {
+            continue;
+        }
+        if authorization.is_some()
+            && (name.eq_ignore_ascii_case("authorization")
+                || name.eq_ignore_ascii_case("x-api-key"))
         {
             continue;
         }
         write_header(&mut out, name, value);
     }
-    let mut xff = xff.unwrap_or_default();
-    if !xff.is_empty() {
-        xff.extend_from_slice(b", ");
+    // X-Forwarded-For: the client's chain, then the client's address.
+    out.extend_from_slice(b"X-Forwarded-For: ");
+    for v in head.headers.get_all("x-forwarded-for") {
+        out.extend_from_slice(v);
+        out.extend_from_slice(b", ");
     }
-    xff.extend_from_slice(ip.as_bytes());
-    write_header(&mut out, "X-Forwarded-For", &xff);
-    write_header(&mut out, "X-Real-IP", ip.as_bytes());
-    write_header(&mut out, "X-Forwarded-Proto", b"http");
+    out.extend_from_slice(client_ip.as_bytes());
+    out.extend_from_slice(b"\r\nX-Real-IP: ");
+    out.extend_from_slice(client_ip.as_bytes());
+    out.extend_from_slice(b"\r\nX-Forwarded-Proto: http\r\n");
     if let Some(a) = authorization {
         write_header(&mut out, "Authorization", a.as_bytes());
     }
-    if body_len > 0
+    if !body.is_empty()
         || !matches!(head.body, http::BodyFraming::None)
         || matches!(head.method(), "POST" | "PUT" | "PATCH")
     {
-        write_header(&mut out, "Content-Length", body_len.to_string().as_bytes());
+        let _ = write!(out, "Content-Length: {}\r\n", body.len());
     }
     out.extend_from_slice(b"\r\n");
-    out
+    if inline {
+        out.extend_from_slice(body);
+    }
+    (out, inline)
 }
 
 /// Why an exchange with a peer failed.
@@ -118,71 +123,83 @@ impl ExchangeError {
 pub struct Exchanged {
     pub stream: TcpStream,
     pub head: ResponseHead,
-    /// Body bytes that arrived with the head.
-    pub leftover: Vec<u8>,
+    /// The read buffer; `buf[start..]` are body bytes that arrived with the head.
+    pub buf: Vec<u8>,
+    pub start: usize,
     /// Raw 1xx interim heads to relay before the final head.
     pub interim: Vec<u8>,
     /// When the first response byte arrived.
     pub first_byte_at: Instant,
 }
 
+/// Per-request settings of an exchange.
 pub struct Timeouts {
     pub connect: Duration,
     pub first_byte: Duration,
+    /// The request is HEAD: the response has no body whatever its headers say.
+    pub head_request: bool,
 }
 
 /// Send one request to `peer` and wait for its response head. A pooled connection that
 /// turns out closed before any response byte is replaced by a fresh one, once.
-pub async fn exchange<F: Future<Output = BufResult<usize, Vec<u8>>>>(
+pub async fn exchange(
     pool: &std::cell::RefCell<UpstreamPool>,
     peer: &PeerRt,
-    head: Bytes,
-    body: Bytes,
-    head_request: bool,
+    req: Vec<u8>,
+    body: Option<Bytes>,
+    buf: Vec<u8>,
     t: &Timeouts,
-    watch: &mut ClientWatch<'_, F>,
+    watch: &mut ClientWatch<'_>,
 ) -> Result<Exchanged, ExchangeError> {
+    let head_request = t.head_request;
     let pooled = pool.borrow_mut().take(peer.addr, Instant::now());
     let mut reused = pooled.is_some();
+    let mut buf = buf;
+    let mut req = req;
     let mut stream = match pooled {
         Some(s) => s,
         None => connect(peer.addr, t.connect, watch).await?,
     };
     loop {
+        buf.clear();
         match send_and_read_head(
             &mut stream,
-            head.clone(),
+            req,
             body.clone(),
+            buf,
             head_request,
             t.first_byte,
             watch,
         )
         .await
         {
-            Ok((head, leftover, interim, first_byte_at)) => {
+            Ok((head, buf, start, interim, first_byte_at)) => {
                 return Ok(Exchanged {
                     stream,
                     head,
-                    leftover,
+                    buf,
+                    start,
                     interim,
                     first_byte_at,
                 })
             }
-            Err(SendError::BeforeAnyByte) if reused => {
+            Err((SendError::BeforeAnyByte, b, Some(r))) if reused => {
+                buf = b;
+                req = r;
                 // A keep-alive connection the peer closed while idle: not a retry.
                 reused = false;
                 stream = connect(peer.addr, t.connect, watch).await?;
             }
-            Err(SendError::BeforeAnyByte) => return Err(ExchangeError::Closed),
-            Err(SendError::Fatal(e)) => return Err(e),
+            Err((SendError::BeforeAnyByte, ..)) => return Err(ExchangeError::Closed),
+            Err((SendError::Fatal(e), ..)) => return Err(e),
         }
     }
 }
 
-async fn connect<F: Future<Output = BufResult<usize, Vec<u8>>>>(
+async fn connect(
     addr: SocketAddr,
     timeout: Duration,
-    watch: &mut ClientWatch<'_, F>,
+    watch: &mut ClientWatch<'_>,
 ) -> Result<TcpStream, ExchangeError> {
     let fut = monoio::time::timeout(timeout, TcpStream::connect_addr(addr));
     match watch.race(fut).await {
@@ -201,34 +218,47 @@ enum SendError {
     Fatal(ExchangeError),
 }
 
-type HeadResult = (ResponseHead, Vec<u8>, Vec<u8>, Instant);
+type HeadResult = (ResponseHead, Vec<u8>, usize, Vec<u8>, Instant);
 
-async fn send_and_read_head<F: Future<Output = BufResult<usize, Vec<u8>>>>(
+/// Why sending failed, with the read buffer and (when still at hand) the request bytes,
+/// so a retry on a fresh connection needs no copy.
+type SendFailure = (SendError, Vec<u8>, Option<Vec<u8>>);
+
+/// Write the request, then read until a final response head. The read buffer comes back
+/// in every case, for the caller to reuse.
+async fn send_and_read_head(
     stream: &mut TcpStream,
-    head: Bytes,
-    body: Bytes,
+    req: Vec<u8>,
+    body: Option<Bytes>,
+    mut buf: Vec<u8>,
     head_request: bool,
     first_byte: Duration,
-    watch: &mut ClientWatch<'_, F>,
-) -> Result<HeadResult, SendError> {
-    let gone = |_| SendError::Fatal(ExchangeError::ClientGone);
-    if body.len() <= INLINE_BODY_BYTES_MAX {
-        let mut one = Vec::with_capacity(head.len() + body.len());
-        one.extend_from_slice(&head);
-        one.extend_from_slice(&body);
-        let (res, _) = watch.race(stream.write_all(one)).await.map_err(gone)?;
-        res.map_err(|_| SendError::BeforeAnyByte)?;
-    } else {
-        let (res, _) = watch.race(stream.write_all(head)).await.map_err(gone)?;
-        res.map_err(|_| SendError::BeforeAnyByte)?;
-        let (res, _) = watch.race(stream.write_all(body)).await.map_err(gone)?;
-        res.map_err(|_| SendError::BeforeAnyByte)?;
+    watch: &mut ClientWatch<'_>,
+) -> Result<HeadResult, SendFailure> {
+    let gone = || SendError::Fatal(ExchangeError::ClientGone);
+    let req = match watch.race(stream.write_all(req)).await {
+        Err(_) => return Err((gone(), buf, None)),
+        Ok((Err(_), req)) => return Err((SendError::BeforeAnyByte, buf, Some(req))),
+        Ok((Ok(_), req)) => req,
+    };
+    if let Some(body) = body {
+        match watch.race(stream.write_all(body)).await {
+            Err(_) => return Err((gone(), buf, None)),
+            Ok((Err(_), _)) => return Err((SendError::BeforeAnyByte, buf, Some(req))),
+            Ok((Ok(_), _)) => {}
+        }
+    }
+    let mut req = Some(req);
+    macro_rules! bail {
+        ($e:expr) => {
+            return Err(($e, buf, req.take()))
+        };
     }
     let deadline = monoio::time::Instant::now() + first_byte;
-    let mut buf: Vec<u8> = Vec::with_capacity(RELAY_READ_BUF_BYTES);
     let mut interim = Vec::new();
     let mut interims = 0;
     let mut first_byte_at = None;
+    let mut start = 0;
     loop {
         if buf.capacity() - buf.len() < 1024 {
             buf.reserve(RELAY_READ_BUF_BYTES);
@@ -236,53 +266,51 @@ async fn send_and_read_head<F: Future<Output = BufResult<usize, Vec<u8>>>>(
         let len = buf.len();
         let cap = buf.capacity();
         let read = monoio::time::timeout_at(deadline, stream.read(buf.slice_mut(len..cap)));
-        let (res, slice) = match watch.race(read).await.map_err(gone)? {
-            Ok(r) => r,
-            Err(_) => return Err(SendError::Fatal(ExchangeError::Timeout)),
+        let raced = watch.race(read).await;
+        let (res, slice) = match raced {
+            Err(_) => return Err((gone(), Vec::new(), None)),
+            Ok(Err(_)) => return Err((SendError::Fatal(ExchangeError::Timeout), Vec::new(), None)),
+            Ok(Ok(r)) => r,
         };
         buf = slice.into_inner();
         match res {
-            Ok(0) | Err(_) if first_byte_at.is_none() => return Err(SendError::BeforeAnyByte),
-            Ok(0) | Err(_) => return Err(SendError::Fatal(ExchangeError::Closed)),
+            Ok(0) | Err(_) if first_byte_at.is_none() => bail!(SendError::BeforeAnyByte),
+            Ok(0) | Err(_) => bail!(SendError::Fatal(ExchangeError::Closed)),
             Ok(_) => {
                 first_byte_at.get_or_insert_with(Instant::now);
             }
         }
         loop {
-            match http::parse_response(&buf, head_request) {
+            match http::parse_response(&buf[start..], head_request) {
                 Ok(HeadParse::Partial) => break,
                 Ok(HeadParse::Complete(h, used)) => {
                     if h.is_interim() && h.status != 101 {
                         interims += 1;
                         if interims > INTERIM_RESPONSES_MAX {
-                            return Err(SendError::Fatal(ExchangeError::Bad(
-                                "too many interim responses",
+                            bail!(SendError::Fatal(ExchangeError::Bad(
+                                "too many interim responses"
                             )));
                         }
                         // 100 Continue answers an expectation we never send upstream.
                         if h.status != 100 {
-                            interim.extend_from_slice(&buf[..used]);
+                            interim.extend_from_slice(&buf[start..start + used]);
                         }
-                        buf.drain(..used);
+                        start += used;
                         continue;
                     }
                     if h.status == 101 {
-                        return Err(SendError::Fatal(ExchangeError::Bad(
-                            "protocol upgrades are not supported",
+                        bail!(SendError::Fatal(ExchangeError::Bad(
+                            "protocol upgrades are not supported"
                         )));
                     }
-                    let leftover = buf.split_off(used);
                     let at = first_byte_at.unwrap_or_else(Instant::now);
-                    return Ok((h, leftover, interim, at));
+                    return Ok((h, buf, start + used, interim, at));
                 }
-                Err(e) => {
-                    return Err(SendError::Fatal(ExchangeError::Bad(match e {
-                        http::HeadError::TooLarge | http::HeadError::TooManyHeaders => {
-                            "response head too large"
-                        }
-                        _ => "malformed response head",
-                    })))
-                }
+                Err(e) => bail!(SendError::Fatal(ExchangeError::Bad(match e {
+                    http::HeadError::TooLarge | http::HeadError::TooManyHeaders =>
+                        "response head too large",
+                    _ => "malformed response head",
+                }))),
             }
         }
     }

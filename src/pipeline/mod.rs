@@ -15,13 +15,14 @@ pub mod peer_select;
 pub mod relay;
 pub mod session_id;
 
+use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use monoio::io::{CancelableAsyncReadRent, Splitable};
+use monoio::io::Splitable;
 use monoio::net::TcpStream;
 use serde_json::json;
 use warmroute_shm::{PeerSlot, Segment, WorkerId};
@@ -48,8 +49,6 @@ use session_id::{BodyFields, SidOptions};
 const ENDPOINT_BODY_BYTES_MAX: u64 = 1024 * 1024;
 /// Read timeout for each piece of a request body.
 const BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
-/// Bytes the client-watch read may take of a pipelined next request.
-const WATCH_BUF_BYTES: usize = 1024;
 
 /// Counts a connection as active for as long as it lives (drain waits for zero).
 struct ConnCount(Rc<WorkerCtx>);
@@ -89,6 +88,7 @@ pub async fn serve_client(ctx: Rc<WorkerCtx>, stream: TcpStream, addr: SocketAdd
         wr,
         inbuf: Vec::new(),
         addr,
+        ip: addr.ip().to_string(),
     };
     loop {
         let (idle, head_timeout) = {
@@ -130,19 +130,14 @@ async fn handle_request(
     kind: PortKind,
 ) -> bool {
     let snap = ctx.snapshot();
-    let target = head.target().to_string();
-    let d = dispatch::resolve(&target, |n| snap.route(n).is_some());
+    let d = dispatch::resolve(head.target(), |n| snap.route(n).is_some());
     match (kind, d) {
         (PortKind::Public, Dispatch::Proxy { route, target }) => {
-            let route = snap
-                .route(route)
-                .expect("dispatch only names known routes")
-                .clone();
-            proxy(ctx, conn, head, &snap, Entry::Route(route, target)).await
+            let route = snap.route(route).expect("dispatch only names known routes");
+            proxy(ctx, conn, &head, &snap, Entry::Route(route, target)).await
         }
         (PortKind::Public, Dispatch::Bare { target }) => {
-            let target = target.to_string();
-            proxy(ctx, conn, head, &snap, Entry::Bare(target)).await
+            proxy(ctx, conn, &head, &snap, Entry::Bare(target)).await
         }
         (_, d) => {
             let body = match conn
@@ -171,48 +166,48 @@ async fn refuse(conn: &mut ClientConn, e: &ProxyError, route: Option<&str>, keep
 }
 
 /// How the request entered: with a route prefix, or bare `/v1/...` routed by model.
-enum Entry {
-    Route(Arc<RouteRt>, String),
-    Bare(String),
+enum Entry<'a> {
+    Route(&'a Arc<RouteRt>, Cow<'a, str>),
+    Bare(&'a str),
 }
 
 /// A request that passed the body-free checks: its route, body and what the body says.
-struct Prepared {
-    route: Arc<RouteRt>,
-    target: String,
+struct Prepared<'a> {
+    route: &'a Arc<RouteRt>,
+    target: Cow<'a, str>,
     body: Bytes,
     fields: Option<BodyFields>,
     owner: Option<String>,
 }
 
 /// Route, API key and body. Errors come with the route when it is known.
-async fn prepare(
+async fn prepare<'a>(
     ctx: &WorkerCtx,
     conn: &mut ClientConn,
     head: &RequestHead,
-    snap: &Snapshot,
-    entry: Entry,
-) -> Result<Prepared, (ProxyError, Option<Arc<RouteRt>>)> {
+    snap: &'a Snapshot,
+    entry: Entry<'a>,
+) -> Result<Prepared<'a>, (ProxyError, Option<&'a Arc<RouteRt>>)> {
     let seg = &ctx.shared.seg;
     let ceiling = snap.config.server.max_body_size_ceiling;
-    let authorize = |route: &Arc<RouteRt>| match auth::authorize(&head.headers, &route.keys) {
+    let authorize = |route: &'a Arc<RouteRt>| match auth::authorize(&head.headers, &route.keys) {
         AuthDecision::Open => Ok(None),
         AuthDecision::Allowed(owner) => Ok(Some(owner)),
         AuthDecision::Denied => {
             seg.route_cell(route.slot, cells::route::UNAUTHORIZED)
                 .fetch_add(1, Relaxed);
-            Err((ProxyError::Unauthorized, Some(route.clone())))
+            Err((ProxyError::Unauthorized, Some(route)))
         }
     };
     match entry {
         Entry::Route(route, target) => {
             // The key is checked before the body is read.
-            let owner = authorize(&route)?;
+            let owner = authorize(route)?;
             let limit = route.cfg.opts.max_body_size.min(ceiling);
             let body = conn
                 .read_body(head, limit, BODY_READ_TIMEOUT)
                 .await
-                .map_err(|e| (e, Some(route.clone())))?;
+                .map_err(|e| (e, Some(route)))?;
             // The body is parsed once, and only when something needs it: a session id no
             // header gave, or the model of a sub-pool route.
             let needs_body = route.by_model() || !session_id::header_decides(&head.headers);
@@ -236,11 +231,7 @@ async fn prepare(
                 .map_err(|e| (e, None))?;
             let fields = session_id::parse_body(&body);
             let model = fields.as_ref().and_then(|f| f.model.clone());
-            let Some(route) = model
-                .as_deref()
-                .and_then(|m| snap.route_for_model(m))
-                .cloned()
-            else {
+            let Some(route) = model.as_deref().and_then(|m| snap.route_for_model(m)) else {
                 let mut supported: Vec<String> = snap
                     .routes
                     .iter()
@@ -250,14 +241,14 @@ async fn prepare(
                 supported.dedup();
                 return Err((ProxyError::ModelNotSupported { model, supported }, None));
             };
-            let owner = authorize(&route)?;
+            let owner = authorize(route)?;
             let limit = route.cfg.opts.max_body_size.min(ceiling);
             if body.len() as u64 > limit {
                 return Err((ProxyError::BodyTooLarge { limit }, Some(route)));
             }
             Ok(Prepared {
                 route,
-                target,
+                target: Cow::Borrowed(target),
                 body,
                 fields,
                 owner,
@@ -298,16 +289,16 @@ fn model_list(models: &[String]) -> Vec<u8> {
 async fn proxy(
     ctx: &Rc<WorkerCtx>,
     conn: &mut ClientConn,
-    head: RequestHead,
-    snap: &Arc<Snapshot>,
-    entry: Entry,
+    head: &RequestHead,
+    snap: &Snapshot,
+    entry: Entry<'_>,
 ) -> bool {
     let started = Instant::now();
     let keep_client = head.keep_alive && !ctx.drain.is_fired();
     let seg = &*ctx.shared.seg;
 
     // 1. Route, key (401) and body (413).
-    let p = match prepare(ctx, conn, &head, snap, entry).await {
+    let p = match prepare(ctx, conn, head, snap, entry).await {
         Ok(p) => p,
         Err((e, route)) => {
             // A refusal before the body was read leaves it on the wire: close then.
@@ -316,13 +307,13 @@ async fn proxy(
             return refuse(
                 conn,
                 &e,
-                route.as_ref().map(|r| r.name()),
+                route.map(|r| r.name()),
                 keep_client && !body_unread,
             )
             .await;
         }
     };
-    let route = &p.route;
+    let route: &RouteRt = p.route;
     let opts = &route.cfg.opts;
     let rcell = |i: usize| seg.route_cell(route.slot, i);
     rcell(cells::route::REQUESTS).fetch_add(1, Relaxed);
@@ -365,8 +356,7 @@ async fn proxy(
 
     // 5. Loads, then the 503 and concurrency gates (a client's GET /v1/models is exempt
     //    from the 429 gate, being the backends' own health probe).
-    let now_ms = warmroute_shm::now_ms();
-    let loads = pool.loads(seg, now_ms);
+    let loads = pool.loads(seg, warmroute_shm::now_ms());
     let Some(fig) = admission::figures(&loads, opts.rt_limit_factor) else {
         rcell(cells::route::UNAVAILABLE).fetch_add(1, Relaxed);
         return refuse(
@@ -390,7 +380,7 @@ async fn proxy(
         }
     }
 
-    // 6. Select, and line up the retry targets.
+    // 6. Select.
     let algo = Affinity::from(opts.affinity_hash);
     let choice = peer_select::select(
         &loads,
@@ -414,18 +404,12 @@ async fn proxy(
         _ => cells::route::MODE_LEAST_CONN,
     })
     .fetch_add(1, Relaxed);
-    let mut attempts = vec![first];
-    attempts.extend(
-        peer_select::fallback_order(&loads, first, opts.cross_tier_fallback)
-            .into_iter()
-            .take(opts.max_more_tries as usize),
-    );
     let mode = choice.mode();
     let timeouts = Timeouts {
         connect: Duration::from_millis(opts.connect_timeout_ms),
         first_byte: Duration::from_millis(opts.first_byte_timeout_ms),
+        head_request: head.method() == "HEAD",
     };
-    let head_request = head.method() == "HEAD";
     let authorization = opts
         .upstream_api_key
         .as_ref()
@@ -437,50 +421,53 @@ async fn proxy(
         mode,
     };
 
-    // 7. From here on a pending read watches the client: if it leaves, the upstream is
-    //    closed at once. The block scopes the read's borrow of the connection.
+    // 7. From here on the client is watched: if it leaves, the upstream is closed at
+    //    once. The block scopes the watch's borrow of the connection.
     let (phase, pipelined) = {
-        let canceller = monoio::io::Canceller::new();
-        let watch_fut = conn
-            .rd
-            .cancelable_read(Vec::with_capacity(WATCH_BUF_BYTES), canceller.handle());
-        let mut watch_fut = std::pin::pin!(watch_fut);
-        let mut watch = ClientWatch::new(watch_fut.as_mut());
+        let mut watch = ClientWatch::new(&mut conn.rd);
 
-        // 8. Forward; retry on connect failures and 502/503 while nothing reached the client.
+        // 8. Forward; retry on connect failures and 502/503 while nothing reached the
+        //    client. Retry targets are lined up only when a first attempt failed.
         let mut outcome = None;
-        for (n, &idx) in attempts.iter().enumerate() {
+        let mut fallback: Option<std::vec::IntoIter<usize>> = None;
+        let mut idx = first;
+        let mut buf = ctx.take_buf();
+        for retries in 0..=opts.max_more_tries {
             let peer = &pool.peers[idx];
-            let retries = n as u32;
-            let last = n + 1 == attempts.len();
             let inflight = Inflight::acquire(seg, ctx.wid, peer.slot);
             seg.peer_cell(peer.slot, cells::peer::REQUESTS)
                 .fetch_add(1, Relaxed);
-            if n > 0 {
+            if retries > 0 {
                 rcell(cells::route::RETRIES).fetch_add(1, Relaxed);
             }
-            let up_head = forward::build_request_head(
-                &head,
+            let (req, inline) = forward::build_request(
+                head,
                 &p.target,
                 peer,
-                conn.addr,
-                p.body.len(),
+                &conn.ip,
+                &p.body,
                 authorization.as_deref(),
             );
+            let big_body = (!inline).then(|| p.body.clone());
             let res = forward::exchange(
                 &ctx.upstreams,
                 peer,
-                Bytes::from(up_head),
-                p.body.clone(),
-                head_request,
+                req,
+                big_body,
+                std::mem::take(&mut buf),
                 &timeouts,
                 &mut watch,
             )
             .await;
-            let routed = Routed {
-                peer,
-                mode,
-                retries,
+            // The next peer to try, worked out only when this attempt failed.
+            let mut next = || {
+                fallback
+                    .get_or_insert_with(|| {
+                        peer_select::fallback_order(&loads, first, opts.cross_tier_fallback)
+                            .into_iter()
+                    })
+                    .next()
+                    .filter(|_| retries < opts.max_more_tries)
             };
             let fail = |e: ProxyError| {
                 Some(Err((
@@ -492,15 +479,30 @@ async fn proxy(
                     }),
                 )))
             };
+            let retry_5xx = matches!(&res, Ok(ex) if matches!(ex.head.status, 502 | 503));
+            let retry_connect = matches!(&res, Err(e) if e.is_connect());
+            let next = if retry_5xx || retry_connect {
+                next()
+            } else {
+                None
+            };
             match res {
-                Ok(ex) if matches!(ex.head.status, 502 | 503) && !last => {
+                Ok(ex) if retry_5xx && next.is_some() => {
                     seg.peer_cell(peer.slot, cells::peer::FAILURES)
                         .fetch_add(1, Relaxed);
                     tracing::warn!(route = route.name(), peer = %peer.name, status = ex.head.status, "peer answered 5xx; trying another peer");
-                    continue;
+                    buf = ex.buf;
                 }
                 Ok(ex) => {
-                    outcome = Some(Ok((ex, routed, inflight)));
+                    outcome = Some(Ok((
+                        ex,
+                        Routed {
+                            peer,
+                            mode,
+                            retries,
+                        },
+                        inflight,
+                    )));
                     break;
                 }
                 Err(ExchangeError::ClientGone) => {
@@ -511,74 +513,84 @@ async fn proxy(
                     seg.peer_cell(peer.slot, cells::peer::FAILURES)
                         .fetch_add(1, Relaxed);
                     control::health::ban_on_connect_failure(ctx, route, peer);
-                    if !last {
+                    if next.is_some() {
                         tracing::warn!(route = route.name(), peer = %peer.name, error = ?e, "connect failed; trying another peer");
-                        continue;
+                    } else {
+                        outcome = fail(match e {
+                            ExchangeError::ConnectTimeout => ProxyError::ConnectTimeout {
+                                peer: peer.name.clone(),
+                            },
+                            ExchangeError::Connect(io) => ProxyError::ConnectFailed {
+                                peer: peer.name.clone(),
+                                detail: io.to_string(),
+                            },
+                            _ => unreachable!("is_connect covers exactly these"),
+                        });
+                        break;
                     }
-                    outcome = fail(match e {
-                        ExchangeError::ConnectTimeout => ProxyError::ConnectTimeout {
-                            peer: peer.name.clone(),
-                        },
-                        ExchangeError::Connect(io) => ProxyError::ConnectFailed {
-                            peer: peer.name.clone(),
-                            detail: io.to_string(),
-                        },
-                        _ => unreachable!("is_connect covers exactly these"),
-                    });
-                    break;
                 }
                 Err(ExchangeError::Timeout) => {
                     outcome = fail(ProxyError::UpstreamTimeout {
                         peer: peer.name.clone(),
-                    })
+                    });
+                    break;
                 }
                 Err(ExchangeError::Closed) => {
                     outcome = fail(ProxyError::UpstreamClosed {
                         peer: peer.name.clone(),
-                    })
+                    });
+                    break;
                 }
                 Err(ExchangeError::Bad(d)) => {
                     outcome = fail(ProxyError::BadUpstreamResponse {
                         peer: peer.name.clone(),
                         detail: d,
-                    })
+                    });
+                    break;
                 }
                 Err(ExchangeError::Connect(_) | ExchangeError::ConnectTimeout) => {
                     unreachable!("handled above")
                 }
             }
-            break;
+            match next {
+                Some(n) => idx = n,
+                None => break,
+            }
         }
         let outcome = outcome.unwrap_or(Err((ProxyError::NoHealthyPeer, None)));
 
         // 9. Relay the response.
         match outcome {
-            Err((e, routed)) => (Phase::Failed(e, routed), watch.finish(canceller).await),
+            Err((e, routed)) => (Phase::Failed(e, routed), watch.finish().await),
             Ok((mut ex, routed, inflight)) => {
                 let dechunk =
                     head.minor_version == 0 && ex.head.framing == ResponseFraming::Chunked;
                 let body_closes = ex.head.framing == ResponseFraming::UntilClose || dechunk;
                 let keep = keep_client && !body_closes;
                 let mut out = std::mem::take(&mut ex.interim);
-                client_head(&mut out, &ex.head, &head, &routing, &routed, keep, dechunk);
+                client_head(&mut out, &ex.head, head, &routing, &routed, keep, dechunk);
                 let plan = RelayPlan {
                     framing: ex.head.framing,
                     dechunk,
                     idle_timeout: Duration::from_millis(opts.idle_timeout_ms),
                 };
                 let mut stats = RelayStats::default();
-                let leftover = std::mem::take(&mut ex.leftover);
-                let end = relay::relay(
+                let rbuf = std::mem::take(&mut ex.buf);
+                let (end, rbuf) = relay::relay(
                     &mut conn.wr,
                     &mut ex.stream,
                     out,
-                    leftover,
+                    rbuf,
+                    ex.start,
                     &plan,
                     &mut watch,
                     &mut stats,
                 )
                 .await;
                 drop(inflight);
+                if let Some(b) = rbuf {
+                    ctx.put_buf(b);
+                }
                 let keep = match end {
                     RelayEnd::Done { reusable } => {
                         if reusable && ex.head.reusable {
@@ -602,7 +614,7 @@ async fn proxy(
                     stats,
                     routed,
                 };
-                (phase, watch.finish(canceller).await)
+                (phase, watch.finish().await)
             }
         }
     };
@@ -625,7 +637,7 @@ async fn proxy(
         ctx,
         &AccessEntry {
             route,
-            head: &head,
+            head,
             status,
             routed: routed.as_ref(),
             session: &routing.session,
@@ -659,9 +671,9 @@ fn client_head(
     keep: bool,
     dechunk: bool,
 ) {
-    out.extend_from_slice(b"HTTP/1.1 ");
-    out.extend_from_slice(up.status.to_string().as_bytes());
-    out.push(b' ');
+    use std::io::Write;
+    out.reserve(512 + up.headers.len() * 48);
+    let _ = write!(out, "HTTP/1.1 {} ", up.status);
     let reason = up.reason();
     out.extend_from_slice(
         if reason.is_empty() {
@@ -672,8 +684,9 @@ fn client_head(
         .as_bytes(),
     );
     out.extend_from_slice(b"\r\n");
+    let listed = up.headers.connection_names_headers();
     for (name, value) in up.headers.iter() {
-        if is_hop_by_hop(name) || up.headers.has_token("connection", name) {
+        if is_hop_by_hop(name) || (listed && up.headers.connection_lists(name)) {
             continue;
         }
         if dechunk && name.eq_ignore_ascii_case("transfer-encoding") {
@@ -690,11 +703,7 @@ fn client_head(
         write_header(out, "X-Routed-Source", routing.source.as_bytes());
         write_header(out, "X-Routed-Mode", routing.mode.as_bytes());
         write_header(out, "X-Routed-Peer", routed.peer.name.as_bytes());
-        write_header(
-            out,
-            "X-Routed-Retries",
-            routed.retries.to_string().as_bytes(),
-        );
+        let _ = write!(out, "X-Routed-Retries: {}\r\n", routed.retries);
     }
     if !keep {
         out.extend_from_slice(b"Connection: close\r\n");

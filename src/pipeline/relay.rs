@@ -2,13 +2,11 @@
 //! upstream read, never batched, so SSE events keep their timing — while tracking the
 //! body's framing to know when it ends and whether the connection can be reused.
 
-use std::future::Future;
 use std::time::{Duration, Instant};
 
-use monoio::buf::IoBufMut;
-use monoio::io::AsyncReadRent;
+use monoio::buf::{IoBuf, IoBufMut};
+use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
-use monoio::BufResult;
 
 use crate::http::{ChunkedDecoder, ResponseFraming};
 use crate::limits::RELAY_READ_BUF_BYTES;
@@ -54,15 +52,17 @@ enum Tracker {
 
 /// Relay the response: `first` (head plus any body bytes already read) goes out in the
 /// first write, then each upstream read becomes one client write.
-pub async fn relay<F: Future<Output = BufResult<usize, Vec<u8>>>>(
+#[allow(clippy::too_many_arguments)]
+pub async fn relay(
     client: &mut OwnedWriteHalf<TcpStream>,
     up: &mut TcpStream,
     head_bytes: Vec<u8>,
-    leftover: Vec<u8>,
+    buf: Vec<u8>,
+    start: usize,
     plan: &RelayPlan,
-    watch: &mut ClientWatch<'_, F>,
+    watch: &mut ClientWatch<'_>,
     stats: &mut RelayStats,
-) -> RelayEnd {
+) -> (RelayEnd, Option<Vec<u8>>) {
     let mut tracker = match plan.framing {
         ResponseFraming::None => Tracker::None,
         ResponseFraming::Length(n) => Tracker::Length(n),
@@ -70,76 +70,97 @@ pub async fn relay<F: Future<Output = BufResult<usize, Vec<u8>>>>(
         ResponseFraming::UntilClose => Tracker::UntilClose,
     };
     let mut out = head_bytes;
-    let mut pending = leftover;
+    let mut pending = buf;
+    let mut pstart = start;
     loop {
-        // Account for the bytes in `pending`, appending what the client should see to `out`.
+        // Account for the new bytes in `pending[pstart..]`: `emit` is the part the client
+        // gets as is; decoded data (HTTP/1.0 clients of a chunked peer) goes to `out`.
+        let data = &pending[pstart..];
         let mut finished = false;
         let mut clean = true;
-        match &mut tracker {
+        let emit = match &mut tracker {
             Tracker::None => {
                 finished = true;
-                clean = pending.is_empty();
+                clean = data.is_empty();
+                0
             }
             Tracker::Length(rem) => {
-                let take = (*rem).min(pending.len() as u64) as usize;
+                let take = (*rem).min(data.len() as u64) as usize;
                 note_body(stats, take);
-                out.extend_from_slice(&pending[..take]);
                 *rem -= take as u64;
                 if *rem == 0 {
                     finished = true;
-                    clean = take == pending.len();
+                    clean = take == data.len();
                 }
+                take
             }
             Tracker::Chunked(dec) => {
                 let mut data_bytes = 0usize;
                 let used = if plan.dechunk {
-                    let mut data = Vec::new();
-                    let r = dec.feed(&pending, &mut |d| data.extend_from_slice(d));
-                    out.extend_from_slice(&data);
-                    data_bytes = data.len();
-                    r
+                    dec.feed(data, &mut |d| {
+                        out.extend_from_slice(d);
+                        data_bytes += d.len();
+                    })
                 } else {
-                    dec.feed(&pending, &mut |d| data_bytes += d.len())
+                    dec.feed(data, &mut |d| data_bytes += d.len())
                 };
-                let used = match used {
-                    Ok(u) => u,
-                    Err(_) => return RelayEnd::UpstreamError("malformed chunked response body"),
+                let Ok(used) = used else {
+                    return (
+                        RelayEnd::UpstreamError("malformed chunked response body"),
+                        Some(pending),
+                    );
                 };
-                if !plan.dechunk {
-                    out.extend_from_slice(&pending[..used]);
-                }
                 note_body(stats, data_bytes);
                 if dec.is_done() {
                     finished = true;
-                    clean = used == pending.len();
+                    clean = used == data.len();
+                }
+                if plan.dechunk {
+                    0
+                } else {
+                    used
                 }
             }
             Tracker::UntilClose => {
-                note_body(stats, pending.len());
-                out.extend_from_slice(&pending);
+                note_body(stats, data.len());
+                data.len()
             }
-        }
-        if !out.is_empty() {
-            // One client write per upstream read.
+        };
+        // One client write per upstream read: the head (first time) and the new bytes
+        // together, or the new bytes straight from the read buffer.
+        if out.is_empty() && emit > 0 {
+            let (res, slice) = client.write_all(pending.slice(pstart..pstart + emit)).await;
+            pending = slice.into_inner();
+            if res.is_err() {
+                return (RelayEnd::ClientGone, Some(pending));
+            }
+        } else if !out.is_empty() || emit > 0 {
+            out.extend_from_slice(&pending[pstart..pstart + emit]);
             match write_client(client, out).await {
                 Ok(b) => out = b,
-                Err(_) => return RelayEnd::ClientGone,
+                Err(_) => return (RelayEnd::ClientGone, Some(pending)),
             }
             out.clear();
         }
         if finished {
-            return RelayEnd::Done { reusable: clean };
+            return (RelayEnd::Done { reusable: clean }, Some(pending));
         }
         // Read the next piece from the peer into the spent buffer.
         pending.clear();
+        pstart = 0;
         if pending.capacity() < RELAY_READ_BUF_BYTES {
             pending.reserve(RELAY_READ_BUF_BYTES);
         }
         let cap = pending.capacity();
         let read = monoio::time::timeout(plan.idle_timeout, up.read(pending.slice_mut(0..cap)));
         let (res, slice) = match watch.race(read).await {
-            Err(_) => return RelayEnd::ClientGone,
-            Ok(Err(_)) => return RelayEnd::UpstreamError("peer idle longer than the idle timeout"),
+            Err(_) => return (RelayEnd::ClientGone, None),
+            Ok(Err(_)) => {
+                return (
+                    RelayEnd::UpstreamError("peer idle longer than the idle timeout"),
+                    None,
+                )
+            }
             Ok(Ok(r)) => r,
         };
         pending = slice.into_inner();
@@ -147,9 +168,12 @@ pub async fn relay<F: Future<Output = BufResult<usize, Vec<u8>>>>(
             Ok(0) | Err(_) => {
                 if let Tracker::UntilClose = tracker {
                     // The close is the end of the body; the client learns it the same way.
-                    return RelayEnd::Done { reusable: false };
+                    return (RelayEnd::Done { reusable: false }, Some(pending));
                 }
-                return RelayEnd::UpstreamError("peer closed before the body was complete");
+                return (
+                    RelayEnd::UpstreamError("peer closed before the body was complete"),
+                    Some(pending),
+                );
             }
             Ok(_) => {}
         }

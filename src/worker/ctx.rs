@@ -4,6 +4,7 @@
 use std::cell::{Cell, RefCell};
 use std::fs::File;
 use std::io::Write;
+use std::rc::Rc;
 use std::sync::Arc;
 
 use warmroute_shm::WorkerId;
@@ -24,14 +25,21 @@ pub struct WorkerCtx {
     pub index: usize,
     pub wid: WorkerId,
     pub shared: Arc<Shared>,
-    snapshot: RefCell<Arc<Snapshot>>,
+    /// `Rc` around the shared `Arc`: taking it per request touches no shared refcount.
+    #[allow(clippy::redundant_allocation)]
+    snapshot: RefCell<Rc<Arc<Snapshot>>>,
     pub upstreams: RefCell<UpstreamPool>,
     pub drain: LocalNotify,
     pub active_conns: Cell<usize>,
     rng: Cell<u64>,
     pub driver: &'static str,
     pub access_log: RefCell<AccessLog>,
+    /// Spare relay buffers, so a request does not allocate its read buffer.
+    bufs: RefCell<Vec<Vec<u8>>>,
 }
+
+/// Spare relay buffers kept per worker (each `RELAY_READ_BUF_BYTES`).
+const SPARE_BUFS_MAX: usize = 256;
 
 impl WorkerCtx {
     pub fn new(
@@ -54,18 +62,19 @@ impl WorkerCtx {
             index,
             wid,
             shared,
-            snapshot: RefCell::new(snapshot),
+            snapshot: RefCell::new(Rc::new(snapshot)),
             upstreams: RefCell::new(pool),
             drain: LocalNotify::default(),
             active_conns: Cell::new(0),
             rng: Cell::new(seed | 1),
             driver,
             access_log: RefCell::new(AccessLog::open(log)),
+            bufs: RefCell::new(Vec::new()),
         }
     }
 
     /// The snapshot new requests start with.
-    pub fn snapshot(&self) -> Arc<Snapshot> {
+    pub fn snapshot(&self) -> Rc<Arc<Snapshot>> {
         self.snapshot.borrow().clone()
     }
 
@@ -75,7 +84,24 @@ impl WorkerCtx {
             server.upstream_idle_per_peer,
             std::time::Duration::from_millis(server.upstream_idle_timeout_ms),
         );
-        *self.snapshot.borrow_mut() = s;
+        *self.snapshot.borrow_mut() = Rc::new(s);
+    }
+
+    /// A relay buffer: a spare one, or a new one.
+    pub fn take_buf(&self) -> Vec<u8> {
+        self.bufs
+            .borrow_mut()
+            .pop()
+            .unwrap_or_else(|| Vec::with_capacity(crate::limits::RELAY_READ_BUF_BYTES))
+    }
+
+    /// Give a relay buffer back for reuse (dropped when enough are spare or it grew).
+    pub fn put_buf(&self, mut b: Vec<u8>) {
+        let mut bufs = self.bufs.borrow_mut();
+        if bufs.len() < SPARE_BUFS_MAX && b.capacity() <= 4 * crate::limits::RELAY_READ_BUF_BYTES {
+            b.clear();
+            bufs.push(b);
+        }
     }
 
     /// xorshift64*: cheap randomness for tie-breaks, no syscalls, no locks.

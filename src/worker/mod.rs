@@ -184,11 +184,7 @@ fn worker_main(
     let uring = monoio::utils::detect_uring();
     let driver = if uring { "io_uring" } else { "epoll" };
     shared.drivers[idx].store(if uring { 1 } else { 2 }, Ordering::Release);
-    let mut rt = match monoio::RuntimeBuilder::<monoio::FusionDriver>::new()
-        .with_entries(4096)
-        .enable_timer()
-        .build()
-    {
+    let mut rt = match build_runtime(uring) {
         Ok(rt) => rt,
         Err(e) => {
             tracing::error!(worker = idx, error = %e, "cannot build the worker runtime");
@@ -258,6 +254,32 @@ fn worker_main(
 }
 
 use std::rc::Rc;
+
+type Runtime = monoio::FusionRuntime<
+    monoio::time::TimeDriver<monoio::IoUringDriver>,
+    monoio::time::TimeDriver<monoio::LegacyDriver>,
+>;
+
+/// The worker's runtime. On io_uring, ask for cooperative task running (Linux 5.19+):
+/// completions are then run when the worker next enters the kernel — which it does on
+/// every loop turn — instead of interrupting it with an IPI each time; the profile showed
+/// those interrupts at ~10% of a busy worker. Older kernels refuse the flag: fall back.
+fn build_runtime(uring: bool) -> std::io::Result<Runtime> {
+    let base = || {
+        monoio::RuntimeBuilder::<monoio::FusionDriver>::new()
+            .with_entries(4096)
+            .enable_timer()
+    };
+    if uring {
+        let mut urb = io_uring::IoUring::builder();
+        urb.setup_coop_taskrun();
+        if let Ok(rt) = base().uring_builder(urb).build() {
+            return Ok(rt);
+        }
+        tracing::info!("io_uring without COOP_TASKRUN (kernel older than 5.19)");
+    }
+    base().build()
+}
 
 async fn accept_loop(ctx: Rc<WorkerCtx>, listener: monoio::net::TcpListener, kind: PortKind) {
     loop {
