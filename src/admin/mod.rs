@@ -2,6 +2,8 @@
 //! per-route debug endpoints (`/<route>/_<name>`). Reads the snapshot and the segment;
 //! writes only through the loopback-only toggles.
 
+mod route_opts;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -521,6 +523,7 @@ fn route_endpoint(
                 }),
             )
         }
+        "route_opts" => Response::json(200, &route_opts::render(snap, route)),
         "active_conns_set" => {
             if !loopback {
                 return Response::error(
