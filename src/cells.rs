@@ -44,6 +44,58 @@ pub mod route {
     pub const MODE_HASH: usize = 9;
     pub const MODE_HASH_FALLBACK: usize = 10;
     pub const MODE_LEAST_CONN: usize = 11;
+    /// Runtime toggles (loopback endpoints), tri-state: see `toggle` below.
+    pub const TOGGLE_REJECT_RULES: usize = 12;
+    pub const TOGGLE_CCH_STRIP: usize = 13;
+    pub const TOGGLE_KIMI_NORMALIZE: usize = 14;
+    pub const TOGGLE_INCLUDE_USAGE: usize = 15;
+    pub const TOGGLE_BODYLOG: usize = 16;
+    /// Body-log sampling override: 0 = route default, else percent + 1.
+    pub const BODYLOG_PCT: usize = 17;
+    /// Request transforms.
+    pub const BODIES_PARSED: usize = 18;
+    pub const CCH_STRIPPED: usize = 19;
+    pub const KIMI_CHANGES: usize = 20;
+    pub const KIMI_REQUESTS: usize = 21;
+    pub const USAGE_INJECTED: usize = 22;
+    pub const USAGE_FRAMES_REMOVED: usize = 23;
+    /// Responses (JSON bodies or SSE frames) the post-processor changed.
+    pub const POSTPROCESS_CHANGED: usize = 24;
+    /// Body-log records queued / dropped (queue full or listener down).
+    pub const BODYLOG_QUEUED: usize = 25;
+    pub const BODYLOG_DROPPED: usize = 26;
+    /// Per-rule hit counters live in their own route slots: see `rule_slot_key`.
+    pub const RULE_HITS: usize = 0;
+}
+
+/// Tri-state runtime toggle stored in a route cell: 0 = not set (the route option
+/// applies), 1 = forced on, 2 = forced off. Survives reloads (the segment does).
+pub fn toggle(seg: &warmroute_shm::Segment, slot: warmroute_shm::RouteSlot, cell: usize, default: bool) -> bool {
+    match seg.route_cell(slot, cell).load(Relaxed) {
+        1 => true,
+        2 => false,
+        _ => default,
+    }
+}
+
+/// Set (Some) or clear (None) a runtime toggle.
+pub fn set_toggle(seg: &warmroute_shm::Segment, slot: warmroute_shm::RouteSlot, cell: usize, on: Option<bool>) {
+    let v = match on {
+        None => 0,
+        Some(true) => 1,
+        Some(false) => 2,
+    };
+    seg.route_cell(slot, cell).store(v, Relaxed);
+}
+
+/// Segment key of the slot that counts hits of one reject rule of a route.
+pub fn rule_slot_key(route: &str, rule: &str) -> String {
+    let k = format!("{route}#rule:{rule}");
+    if k.len() <= 119 {
+        k
+    } else {
+        format!("{route}#rule:{:08x}", crc32fast::hash(k.as_bytes()))
+    }
 }
 
 pub use std::sync::atomic::Ordering::Relaxed;

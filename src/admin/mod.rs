@@ -3,6 +3,7 @@
 //! writes only through the loopback-only toggles.
 
 mod route_opts;
+mod toggles;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -533,7 +534,7 @@ fn route_endpoint(
             }
             active_conns_set(ctx, route, q)
         }
-        _ => Response::error(&ProxyError::NotFound, Some(route.name())),
+        other => toggles::handle(ctx, route, other, q, loopback).unwrap_or_else(|| Response::error(&ProxyError::NotFound, Some(route.name()))),
     }
 }
 
