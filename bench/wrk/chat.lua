@@ -1,11 +1,13 @@
 -- wrk script for warmroute's benchmarks: POST an OpenAI chat/completions JSON body with an
 -- X-Session-ID header rotating over a fixed set of session ids.
 --
---   wrk -t1 -c32 -d10s --latency -s bench/wrk/chat.lua http://127.0.0.1:PORT -- PATH MODE [SESSIONS]
+--   wrk -t1 -c32 -d10s --latency -s bench/wrk/chat.lua http://127.0.0.1:PORT -- PATH MODE [SESSIONS] [ID]
 --
 -- PATH      request path (e.g. /bench/v1/chat/completions or /v1/chat/completions)
 -- MODE      "json" (non-streaming) or "stream" ("stream":true and Accept: text/event-stream)
 -- SESSIONS  number of rotating session ids (default 64)
+-- ID        where the session id goes: "header" (X-Session-ID, default), "body"
+--           (metadata.session_id in the JSON body, no header) or "none" (no id at all)
 --
 -- The requests are built once per thread in init(); request() only rotates through them.
 -- done() prints one machine-readable line, prefixed "WRKJSON ", with counts and latency
@@ -19,21 +21,29 @@ function init(args)
   local path = args[1] or "/v1/chat/completions"
   local stream = (args[2] == "stream")
   local sessions = tonumber(args[3] or "64")
+  local where = args[4] or "header"
   -- wrk.format() does not add Host or Content-Type for us when it is given a header table.
   local host = wrk.host
   if wrk.port then
     host = host .. ":" .. tostring(wrk.port)
   end
   for i = 1, sessions do
+    local sid = string.format("bench-session-%03d", i)
+    local meta = ""
+    if where == "body" then
+      meta = string.format(',"metadata":{"session_id":"%s"}', sid)
+    end
     local body = string.format(
-      '{"model":"m","messages":[{"role":"user","content":"bench session %d: reply with eight tokens"}],"max_tokens":8%s}',
-      i, stream and ',"stream":true' or "")
+      '{"model":"m","messages":[{"role":"user","content":"bench session %d: reply with eight tokens"}],"max_tokens":8%s%s}',
+      i, stream and ',"stream":true' or "", meta)
     local headers = {
       ["Host"] = host,
       ["Content-Type"] = "application/json",
       ["Accept"] = stream and "text/event-stream" or "application/json",
-      ["X-Session-ID"] = string.format("bench-session-%03d", i),
     }
+    if where == "header" then
+      headers["X-Session-ID"] = sid
+    end
     reqs[i] = wrk.format("POST", path, headers, body)
   end
   nreqs = sessions
