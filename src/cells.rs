@@ -22,6 +22,12 @@ pub mod peer {
     pub const UNBANS: usize = 6;
     /// Probes sent (prober).
     pub const PROBES: usize = 7;
+    /// Tokens from the responses' usage (every worker).
+    pub const PROMPT_TOKENS: usize = 8;
+    pub const CACHED_TOKENS: usize = 9;
+    pub const COMPLETION_TOKENS: usize = 10;
+    /// 2xx responses that reported usage.
+    pub const USAGE_RESPONSES: usize = 11;
 }
 
 /// Per-route cells.
@@ -64,13 +70,23 @@ pub mod route {
     /// Body-log records queued / dropped (queue full or listener down).
     pub const BODYLOG_QUEUED: usize = 25;
     pub const BODYLOG_DROPPED: usize = 26;
+    /// Tokens from the responses' usage, and how many 2xx responses reported it.
+    pub const PROMPT_TOKENS: usize = 27;
+    pub const CACHED_TOKENS: usize = 28;
+    pub const COMPLETION_TOKENS: usize = 29;
+    pub const USAGE_RESPONSES: usize = 30;
     /// Per-rule hit counters live in their own route slots: see `rule_slot_key`.
     pub const RULE_HITS: usize = 0;
 }
 
 /// Tri-state runtime toggle stored in a route cell: 0 = not set (the route option
 /// applies), 1 = forced on, 2 = forced off. Survives reloads (the segment does).
-pub fn toggle(seg: &warmroute_shm::Segment, slot: warmroute_shm::RouteSlot, cell: usize, default: bool) -> bool {
+pub fn toggle(
+    seg: &warmroute_shm::Segment,
+    slot: warmroute_shm::RouteSlot,
+    cell: usize,
+    default: bool,
+) -> bool {
     match seg.route_cell(slot, cell).load(Relaxed) {
         1 => true,
         2 => false,
@@ -79,7 +95,12 @@ pub fn toggle(seg: &warmroute_shm::Segment, slot: warmroute_shm::RouteSlot, cell
 }
 
 /// Set (Some) or clear (None) a runtime toggle.
-pub fn set_toggle(seg: &warmroute_shm::Segment, slot: warmroute_shm::RouteSlot, cell: usize, on: Option<bool>) {
+pub fn set_toggle(
+    seg: &warmroute_shm::Segment,
+    slot: warmroute_shm::RouteSlot,
+    cell: usize,
+    on: Option<bool>,
+) {
     let v = match on {
         None => 0,
         Some(true) => 1,

@@ -8,6 +8,7 @@
 //! itself; `limits` holds every fixed bound.
 pub mod admin;
 pub mod auth;
+pub mod bodylog;
 pub mod cells;
 pub mod config;
 pub mod control;
@@ -15,9 +16,12 @@ pub mod demo;
 pub mod http;
 pub mod limits;
 pub mod pipeline;
+pub mod postprocess;
+pub mod rules;
 pub mod server;
 pub mod snapshot;
 pub mod status;
+pub mod transform;
 pub mod upstream;
 pub mod util;
 pub mod worker;

@@ -39,7 +39,6 @@ struct Args {
     config: Option<PathBuf>,
     overrides: Overrides,
     log_json: bool,
-    dir: Option<PathBuf>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -53,7 +52,6 @@ fn parse_args() -> Result<Args, String> {
         config: None,
         overrides: Overrides::default(),
         log_json: false,
-        dir: None,
     };
     while let Some(flag) = it.next() {
         let mut val = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value"));
@@ -75,7 +73,6 @@ fn parse_args() -> Result<Args, String> {
                 a.overrides.admin_listen = Some(addr(val("--admin-listen")?, "--admin-listen")?)
             }
             "--shm" => a.overrides.shm_path = Some(PathBuf::from(val("--shm")?)),
-            "--dir" => a.dir = Some(PathBuf::from(val("--dir")?)),
             "--takeover" => a.overrides.takeover = true,
             "--no-pin" => a.overrides.no_pin = true,
             "--access-log" => {
@@ -118,6 +115,11 @@ fn init_logging(json: bool) {
 }
 
 fn main() -> ExitCode {
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    if raw.first().map(String::as_str) == Some("bodylog-listen") {
+        init_logging(false);
+        return bodylog_listen(&raw[1..]);
+    }
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
@@ -131,14 +133,41 @@ fn main() -> ExitCode {
         "check" => check(args.config),
         "demo" => demo(args.overrides),
         "status" => status(args.config, args.overrides.shm_path),
-        "bodylog-listen" => {
-            let _ = args.dir;
-            eprintln!("warmroute bodylog-listen: body logging is not built yet");
-            ExitCode::from(2)
-        }
         other => {
             eprintln!("warmroute: unknown command {other:?}\n\n{USAGE}");
             ExitCode::from(2)
+        }
+    }
+}
+
+/// `warmroute bodylog-listen --listen ADDR --dir DIR [--metrics-listen ADDR]`: receive
+/// body-log frames from routers, write hourly JSONL, serve /metrics; stop on SIGINT/SIGTERM.
+fn bodylog_listen(args: &[String]) -> ExitCode {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [SIGINT, SIGTERM, SIGQUIT] {
+        if let Err(e) = signal_hook::flag::register(sig, stop.clone()) {
+            eprintln!("warmroute bodylog-listen: cannot install signal handlers: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    let cfg = match warmroute::bodylog::listener::ListenerConfig::parse_args(args, stop) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("warmroute bodylog-listen: {e}\n\nusage: warmroute bodylog-listen --listen ADDR --dir DIR [--metrics-listen ADDR]");
+            return ExitCode::from(2);
+        }
+    };
+    match warmroute::bodylog::listener::run_listener_with(cfg) {
+        Ok(h) => {
+            println!("listening on {} (metrics on {})", h.addr, h.metrics_addr);
+            h.wait();
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("warmroute bodylog-listen: {e}");
+            ExitCode::FAILURE
         }
     }
 }

@@ -2,6 +2,7 @@
 //! per-route debug endpoints (`/<route>/_<name>`). Reads the snapshot and the segment;
 //! writes only through the loopback-only toggles.
 
+mod metrics;
 mod route_opts;
 mod toggles;
 
@@ -130,6 +131,7 @@ fn server_endpoint(ctx: &WorkerCtx, snap: &Snapshot, endpoint: &str, kind: PortK
             }
         }
         ("/_routes", PortKind::Admin) => Response::json(200, &routes_json(ctx, snap)),
+        ("/metrics", PortKind::Admin) => metrics::response(ctx, snap),
         ("/v1/models", PortKind::Public) => {
             let mut models: Vec<(&str, &str)> = snap
                 .routes
@@ -376,6 +378,42 @@ fn route_endpoint(
                 "model_not_supported_400".into(),
                 json!(c(cells::route::MODEL_NOT_SUPPORTED)),
             );
+            v.insert(
+                "cache".into(),
+                cache_json(
+                    c(cells::route::PROMPT_TOKENS),
+                    c(cells::route::CACHED_TOKENS),
+                    c(cells::route::COMPLETION_TOKENS),
+                    c(cells::route::USAGE_RESPONSES),
+                ),
+            );
+            let peers: Map<String, Value> = route
+                .all_peers()
+                .map(|p| {
+                    let pc = |i| seg.peer_cell(p.slot, i).load(Relaxed);
+                    (
+                        p.name.clone(),
+                        cache_json(
+                            pc(cells::peer::PROMPT_TOKENS),
+                            pc(cells::peer::CACHED_TOKENS),
+                            pc(cells::peer::COMPLETION_TOKENS),
+                            pc(cells::peer::USAGE_RESPONSES),
+                        ),
+                    )
+                })
+                .collect();
+            v.insert("cache_by_peer".into(), Value::Object(peers));
+            let t = |i| seg.route_cell(route.slot, i).load(Relaxed);
+            v.insert("transforms".into(), json!({
+                "bodies_parsed": t(cells::route::BODIES_PARSED),
+                "cch_stripped": t(cells::route::CCH_STRIPPED),
+                "kimi_changes": t(cells::route::KIMI_CHANGES),
+                "kimi_requests": t(cells::route::KIMI_REQUESTS),
+                "usage_injected": t(cells::route::USAGE_INJECTED),
+                "cch_strip": cells::toggle(seg, route.slot, cells::route::TOGGLE_CCH_STRIP, route.cfg.opts.cch_strip),
+                "kimi_normalize": cells::toggle(seg, route.slot, cells::route::TOGGLE_KIMI_NORMALIZE, route.cfg.opts.kimi_normalize),
+                "include_usage": cells::toggle(seg, route.slot, cells::route::TOGGLE_INCLUDE_USAGE, route.cfg.opts.include_usage),
+            }));
             Response::json(200, &Value::Object(v))
         }
         "route_debug" => {
@@ -525,6 +563,66 @@ fn route_endpoint(
             )
         }
         "route_opts" => Response::json(200, &route_opts::render(snap, route)),
+        "bodylog_status" => {
+            let opts = &route.cfg.opts;
+            let pct = match seg
+                .route_cell(route.slot, cells::route::BODYLOG_PCT)
+                .load(Relaxed)
+            {
+                0 => opts.bodylog_pct as u64,
+                p => p - 1,
+            };
+            let mut v = json!({
+                "route": route.name(),
+                "listener": snap.config.server.bodylog_listener,
+                "enabled": ctx.bodylog.is_some() && cells::toggle(seg, route.slot, cells::route::TOGGLE_BODYLOG, opts.bodylog),
+                "sample_pct": pct,
+                "route_queued": seg.route_cell(route.slot, cells::route::BODYLOG_QUEUED).load(Relaxed),
+                "route_dropped": seg.route_cell(route.slot, cells::route::BODYLOG_DROPPED).load(Relaxed),
+                "worker_id": ctx.index,
+                "worker_pid": std::process::id(),
+                "now": warmroute_shm::now_ms(),
+            });
+            if let Some(sender) = &ctx.bodylog {
+                let st = sender.stats();
+                v["logger_initted"] = json!(true);
+                v["write_count"] = json!(st.written);
+                v["drop_count"] = json!(st.dropped);
+                v["encode_errs"] = json!(st.encode_errors);
+                v["connected"] = json!(st.connected);
+                v["queued_frames"] = json!(st.queued_frames);
+                if st.last_write_ms > 0 {
+                    v["last_log_ts"] = json!(st.last_write_ms);
+                }
+            }
+            Response::json(200, &v)
+        }
+        "reject_rules_status" => {
+            let opts = &route.cfg.opts;
+            let rules: Vec<Value> = opts
+                .reject_rules_compiled
+                .rules
+                .iter()
+                .map(|r| {
+                    let hits = seg.find_route_slot(&cells::rule_slot_key(route.name(), &r.name)).map_or(0, |s| seg.route_cell(s, cells::route::RULE_HITS).load(Relaxed));
+                    json!({"name": r.name, "condition": r.source, "status": r.status.unwrap_or(opts.reject_rules_status), "message": r.message_or_default(), "hits": hits})
+                })
+                .collect();
+            let stored = seg
+                .route_cell(route.slot, cells::route::TOGGLE_REJECT_RULES)
+                .load(Relaxed);
+            Response::json(
+                200,
+                &json!({
+                    "route": route.name(),
+                    "enabled": cells::toggle(seg, route.slot, cells::route::TOGGLE_REJECT_RULES, opts.reject_rules_enabled),
+                    "source": if stored == 0 { "route" } else { "runtime" },
+                    "default_status": opts.reject_rules_status,
+                    "rules": rules,
+                    "total_hits": seg.route_cell(route.slot, cells::route::REJECT_RULE).load(Relaxed),
+                }),
+            )
+        }
         "active_conns_set" => {
             if !loopback {
                 return Response::error(
@@ -534,8 +632,20 @@ fn route_endpoint(
             }
             active_conns_set(ctx, route, q)
         }
-        other => toggles::handle(ctx, route, other, q, loopback).unwrap_or_else(|| Response::error(&ProxyError::NotFound, Some(route.name()))),
+        other => toggles::handle(ctx, route, other, q, loopback)
+            .unwrap_or_else(|| Response::error(&ProxyError::NotFound, Some(route.name()))),
     }
+}
+
+/// Token counts and the prefix-cache hit rate (cached / prompt tokens).
+fn cache_json(ptok: u64, ctok: u64, completion: u64, responses: u64) -> Value {
+    json!({
+        "prompt_tokens": ptok,
+        "cached_tokens": ctok,
+        "completion_tokens": completion,
+        "responses_with_usage": responses,
+        "hit_rate": if ptok > 0 { ctok as f64 / ptok as f64 } else { 0.0 },
+    })
 }
 
 /// Correct in-flight counts by hand. The segment lets a worker write only its own row, so

@@ -64,12 +64,26 @@ pub fn render(snap: &Snapshot, route: &RouteRt) -> Value {
         .iter()
         .map(|p| {
             let top = p.peers.iter().map(|x| x.priority).max();
-            let static_max: u64 = p.peers.iter().filter(|x| Some(x.priority) == top).map(|x| x.max_concurrency as u64).sum();
-            let floor = opts.adaptive_cc_min.map(u64::from).unwrap_or_else(|| ((static_max as f64 * opts.adaptive_cc_min_frac).floor() as u64).max(1)).min(static_max);
+            let static_max: u64 = p
+                .peers
+                .iter()
+                .filter(|x| Some(x.priority) == top)
+                .map(|x| x.max_concurrency as u64)
+                .sum();
+            let floor = opts
+                .adaptive_cc_min
+                .map(u64::from)
+                .unwrap_or_else(|| {
+                    ((static_max as f64 * opts.adaptive_cc_min_frac).floor() as u64).max(1)
+                })
+                .min(static_max);
             let start = opts
                 .adaptive_cc_init
                 .map(u64::from)
-                .or_else(|| opts.adaptive_cc_init_frac.map(|f| (static_max as f64 * f).floor() as u64))
+                .or_else(|| {
+                    opts.adaptive_cc_init_frac
+                        .map(|f| (static_max as f64 * f).floor() as u64)
+                })
                 .unwrap_or(floor)
                 .clamp(floor, static_max.max(floor));
             json!({"model": p.model, "static_max": static_max, "floor": floor, "start": start})

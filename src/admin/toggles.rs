@@ -21,7 +21,13 @@ fn parse_on(v: &str) -> Option<bool> {
 }
 
 /// Handle `/<route>/_<name>` when it is a toggle; None when `name` is not one.
-pub fn handle(ctx: &WorkerCtx, r: &RouteRt, name: &str, query: Option<&str>, loopback: bool) -> Option<Response> {
+pub fn handle(
+    ctx: &WorkerCtx,
+    r: &RouteRt,
+    name: &str,
+    query: Option<&str>,
+    loopback: bool,
+) -> Option<Response> {
     let opts = &r.cfg.opts;
     let (cell, default) = match name {
         "reject_rules_toggle" => (route::TOGGLE_REJECT_RULES, opts.reject_rules_enabled),
@@ -32,15 +38,24 @@ pub fn handle(ctx: &WorkerCtx, r: &RouteRt, name: &str, query: Option<&str>, loo
         _ => return None,
     };
     if !loopback {
-        return Some(Response::error(&ProxyError::Forbidden("toggles answer loopback (127.0.0.1, ::1) only"), Some(r.name())));
+        return Some(Response::error(
+            &ProxyError::Forbidden("toggles answer loopback (127.0.0.1, ::1) only"),
+            Some(r.name()),
+        ));
     }
     let seg = &ctx.shared.seg;
-    let bad = |msg: &str| Some(Response::json(400, &json!({"route": r.name(), "ok": false, "error": msg})));
+    let bad = |msg: &str| {
+        Some(Response::json(
+            400,
+            &json!({"route": r.name(), "ok": false, "error": msg}),
+        ))
+    };
     let mut changed = false;
     if query_param(query, "reset").as_deref() == Some("1") {
         cells::set_toggle(seg, r.slot, cell, None);
         if name == "bodylog_toggle" {
-            seg.route_cell(r.slot, route::BODYLOG_PCT).store(0, cells::Relaxed);
+            seg.route_cell(r.slot, route::BODYLOG_PCT)
+                .store(0, cells::Relaxed);
         }
         changed = true;
     }
@@ -57,7 +72,8 @@ pub fn handle(ctx: &WorkerCtx, r: &RouteRt, name: &str, query: Option<&str>, loo
         if let Some(p) = query_param(query, "pct") {
             match p.parse::<u8>() {
                 Ok(p) if p <= 100 => {
-                    seg.route_cell(r.slot, route::BODYLOG_PCT).store(p as u64 + 1, cells::Relaxed);
+                    seg.route_cell(r.slot, route::BODYLOG_PCT)
+                        .store(p as u64 + 1, cells::Relaxed);
                     changed = true;
                 }
                 _ => return bad("pct must be an integer from 0 to 100"),
@@ -74,8 +90,14 @@ pub fn handle(ctx: &WorkerCtx, r: &RouteRt, name: &str, query: Option<&str>, loo
         "route_default": default,
     });
     if name == "bodylog_toggle" {
-        let pct = seg.route_cell(r.slot, route::BODYLOG_PCT).load(cells::Relaxed);
-        body["sample_pct"] = json!(if pct == 0 { opts.bodylog_pct as u64 } else { pct - 1 });
+        let pct = seg
+            .route_cell(r.slot, route::BODYLOG_PCT)
+            .load(cells::Relaxed);
+        body["sample_pct"] = json!(if pct == 0 {
+            opts.bodylog_pct as u64
+        } else {
+            pct - 1
+        });
     }
     Some(Response::json(200, &body))
 }

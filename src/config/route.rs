@@ -8,8 +8,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use serde_json::{json, Value as Json};
+
+use crate::rules::{self, RuleSet};
 
 use super::catalog::{self, OptDefault, OptKind, OptSpec, ROUTE_OPTS};
 use super::server::{ServerConfig, ServerDefaults};
@@ -182,8 +185,11 @@ pub struct RouteOpts {
     pub session_prio_warn_frac: f64,
     /// `None` = the built-in bucket table.
     pub session_prio_table: Option<Vec<PrioBucket>>,
-    /// Raw rule tables; validated by the rules module.
+    /// Raw rule tables, as the route file gives them (shown by `/_route_opts`).
     pub reject_rules: Vec<toml::Value>,
+    /// `reject_rules` compiled by `crate::rules` at load; invalid rules are left out (and
+    /// reported as soft errors `reject_rules[<i>]`, 1-based like the rule names `rule<i>`).
+    pub reject_rules_compiled: Arc<RuleSet>,
     pub reject_rules_status: u16,
     pub reject_rules_enabled: bool,
     /// Handler name, "" = none.
@@ -372,6 +378,7 @@ impl RouteOpts {
             session_prio_warn_frac: 0.0,
             session_prio_table: None,
             reject_rules: Vec::new(),
+            reject_rules_compiled: Arc::default(),
             reject_rules_status: 0,
             reject_rules_enabled: false,
             postprocess: String::new(),
@@ -497,10 +504,20 @@ impl RouteOpts {
             },
             "reject_rules" => match &v {
                 Val::Raw(raw) => match value::array(raw, field, d) {
-                    Some(a) => self.reject_rules = a.to_vec(),
+                    Some(a) => {
+                        let (set, problems) = rules::compile_report(a);
+                        for p in problems {
+                            d.soft(&format!("{field}[{}]", p.index), p.message);
+                        }
+                        self.reject_rules = a.to_vec();
+                        self.reject_rules_compiled = Arc::new(set);
+                    }
                     None => return false,
                 },
-                _ => self.reject_rules = Vec::new(),
+                _ => {
+                    self.reject_rules = Vec::new();
+                    self.reject_rules_compiled = Arc::default();
+                }
             },
             "reject_rules_status" => {
                 self.reject_rules_status = u16::try_from(v.int()).unwrap_or(429)
@@ -1137,4 +1154,66 @@ fn resolve(host: &str, port: u16) -> Result<SocketAddr, String> {
         .or_else(|| addrs.first())
         .copied()
         .ok_or_else(|| "no address found".to_string())
+}
+
+#[cfg(test)]
+mod reject_rules_tests {
+    use std::path::PathBuf;
+
+    /// One valid and one invalid rule: the route loads with the valid rule compiled, and the
+    /// invalid one is a soft error naming the file and `reject_rules[2]`.
+    #[test]
+    fn invalid_reject_rule_is_a_soft_error_and_the_route_loads() {
+        let route = r#"
+peers = [ { host = "127.0.0.1", port = 8001 } ]
+reject_rules_enabled = true
+[[reject_rules]]
+name = "too-long"
+status = 413
+field = "input_bytes"
+op = "gt"
+value = 10
+[[reject_rules]]
+name = "broken"
+field = "model"
+op = "like"
+value = "x"
+"#;
+        let c = crate::config::load_from_strs(None, &[("r", route)]).expect("the route loads");
+        let o = &c.route("r").expect("route r").opts;
+        assert_eq!(o.reject_rules.len(), 2, "the raw list is kept as written");
+        let set = &o.reject_rules_compiled;
+        assert_eq!(set.rules.len(), 1);
+        assert_eq!(set.rules[0].name, "too-long");
+        assert_eq!(set.rules[0].status, Some(413));
+        assert_eq!(set.rules[0].source, "input_bytes gt 10");
+        let hit = set
+            .evaluate(br#"{"model":"m","messages":[]}"#)
+            .expect("input_bytes gt 10");
+        assert_eq!(hit.rule.name, "too-long");
+        assert!(set.evaluate(b"{}").is_none());
+
+        assert_eq!(c.soft_errors.len(), 1, "{:?}", c.soft_errors);
+        let e = &c.soft_errors[0];
+        assert_eq!(e.file, PathBuf::from("(embedded)/r.toml"));
+        assert_eq!(e.field, "reject_rules[2]");
+        assert!(
+            e.message.contains("\"broken\"") && e.message.contains("unknown op \"like\""),
+            "{e}"
+        );
+        assert!(o.set_by_route.contains("reject_rules"));
+    }
+
+    /// A route without rules, and one whose only rule is invalid, compile to empty sets.
+    #[test]
+    fn no_rules_compile_to_an_empty_set() {
+        let base = "peers = [ { host = \"127.0.0.1\", port = 8001 } ]\n";
+        let c = crate::config::load_from_strs(None, &[("r", base)]).unwrap();
+        assert!(c.routes[0].opts.reject_rules_compiled.is_empty());
+        let bad = format!("{base}reject_rules = [ {{ all = [] }} ]\n");
+        let c = crate::config::load_from_strs(None, &[("r", &bad)]).unwrap();
+        assert!(c.routes[0].opts.reject_rules_compiled.is_empty());
+        assert_eq!(c.soft_errors[0].field, "reject_rules[1]");
+        assert!(c.soft_errors[0].message.contains("\"rule1\" dropped"));
+    }
 }

@@ -45,6 +45,11 @@ pub enum ProxyError {
         supported: Vec<String>,
     },
     ConcurrencyLimit(ConcurrencyFigures),
+    RejectedByRule {
+        rule: String,
+        message: String,
+        status: u16,
+    },
 }
 
 /// The figures a concurrency 429 reports.
@@ -75,6 +80,7 @@ impl ProxyError {
             ProxyError::Unauthorized => 401,
             ProxyError::ModelNotSupported { .. } => 400,
             ProxyError::ConcurrencyLimit(_) => 429,
+            ProxyError::RejectedByRule { status, .. } => *status,
         }
     }
 
@@ -100,6 +106,7 @@ impl ProxyError {
             ProxyError::Unauthorized => "unauthorized",
             ProxyError::ModelNotSupported { .. } => "model_not_supported",
             ProxyError::ConcurrencyLimit(_) => "concurrency_limit_exceeded",
+            ProxyError::RejectedByRule { .. } => "rejected_by_rule",
         }
     }
 
@@ -135,6 +142,7 @@ impl ProxyError {
                 None => "the request names no model this route serves".into(),
             },
             ProxyError::ConcurrencyLimit(_) => "concurrency limit exceeded".into(),
+            ProxyError::RejectedByRule { message, .. } => message.clone(),
         }
     }
 
@@ -174,6 +182,9 @@ impl ProxyError {
             }
             ProxyError::BodyTooLarge { limit } => {
                 err.insert("limit_bytes".into(), json!(limit));
+            }
+            ProxyError::RejectedByRule { rule, .. } => {
+                err.insert("rule".into(), json!(rule));
             }
             ProxyError::ModelNotSupported { model, supported } => {
                 err.insert("model".into(), json!(model));

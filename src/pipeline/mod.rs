@@ -42,7 +42,7 @@ use dispatch::Dispatch;
 use error_response::{json_response, ProxyError};
 use forward::{ExchangeError, Timeouts};
 use peer_select::{Affinity, PeerChoice};
-use relay::{RelayEnd, RelayPlan, RelayStats};
+use relay::{ClientFraming, FilterChain, RelayEnd, RelayPlan, RelayStats};
 use session_id::{BodyFields, SidOptions};
 
 /// Largest body accepted on debug and admin endpoints.
@@ -294,6 +294,7 @@ async fn proxy(
     entry: Entry<'_>,
 ) -> bool {
     let started = Instant::now();
+    let start_ms = warmroute_shm::now_ms();
     let keep_client = head.keep_alive && !ctx.drain.is_fired();
     let seg = &*ctx.shared.seg;
 
@@ -337,7 +338,33 @@ async fn proxy(
         return conn.write_all_bytes(out).await.is_ok() && keep_client;
     }
 
-    // 3. The pool (400 for a model no sub-pool serves).
+    // 3. Reject rules, on the client's original body (a client's GET /v1/models is exempt).
+    if upstream_path != "/v1/models"
+        && !opts.reject_rules_compiled.is_empty()
+        && cells::toggle(
+            seg,
+            route.slot,
+            cells::route::TOGGLE_REJECT_RULES,
+            opts.reject_rules_enabled,
+        )
+    {
+        if let Some(hit) = opts.reject_rules_compiled.evaluate(&p.body) {
+            rcell(cells::route::REJECT_RULE).fetch_add(1, Relaxed);
+            if let Some(slot) = seg.route_slot(&cells::rule_slot_key(route.name(), &hit.rule.name))
+            {
+                seg.route_cell(slot, cells::route::RULE_HITS)
+                    .fetch_add(1, Relaxed);
+            }
+            let e = ProxyError::RejectedByRule {
+                rule: hit.rule.name.clone(),
+                message: hit.rule.message_or_default().into_owned(),
+                status: hit.rule.status.unwrap_or(opts.reject_rules_status),
+            };
+            return refuse(conn, &e, Some(route.name()), keep_client).await;
+        }
+    }
+
+    // 4. The pool (400 for a model no sub-pool serves).
     let Some(pool) = route.pool_for(model) else {
         rcell(cells::route::MODEL_NOT_SUPPORTED).fetch_add(1, Relaxed);
         let e = ProxyError::ModelNotSupported {
@@ -347,14 +374,14 @@ async fn proxy(
         return refuse(conn, &e, Some(route.name()), keep_client).await;
     };
 
-    // 4. Session id.
+    // 5. Session id.
     let sid_opts = SidOptions {
         session_affinity: opts.session_affinity,
         body_user_affinity: opts.body_user_affinity,
     };
     let (sid, source) = session_id::extract(&head.headers, p.fields.as_ref(), &sid_opts);
 
-    // 5. Loads, then the 503 and concurrency gates (a client's GET /v1/models is exempt
+    // 6. Loads, then the 503 and concurrency gates (a client's GET /v1/models is exempt
     //    from the 429 gate, being the backends' own health probe).
     let loads = pool.loads(seg, warmroute_shm::now_ms());
     let Some(fig) = admission::figures(&loads, opts.rt_limit_factor) else {
@@ -380,7 +407,7 @@ async fn proxy(
         }
     }
 
-    // 6. Select.
+    // 7. Select; then the request transforms, on the body that goes to the peer.
     let algo = Affinity::from(opts.affinity_hash);
     let choice = peer_select::select(
         &loads,
@@ -414,6 +441,7 @@ async fn proxy(
         .upstream_api_key
         .as_ref()
         .map(|k| format!("Bearer {k}"));
+    let (upstream_body, usage_injected) = transform_body(seg, route, &p.body, upstream_path);
     let routing = RoutingHeaders {
         expose: opts.expose_routed_headers,
         session: session_id::header_value(sid.as_ref().map(|s| s.id.as_str())),
@@ -421,12 +449,12 @@ async fn proxy(
         mode,
     };
 
-    // 7. From here on the client is watched: if it leaves, the upstream is closed at
+    // 8. From here on the client is watched: if it leaves, the upstream is closed at
     //    once. The block scopes the watch's borrow of the connection.
     let (phase, pipelined) = {
         let mut watch = ClientWatch::new(&mut conn.rd);
 
-        // 8. Forward; retry on connect failures and 502/503 while nothing reached the
+        // 9. Forward; retry on connect failures and 502/503 while nothing reached the
         //    client. Retry targets are lined up only when a first attempt failed.
         let mut outcome = None;
         let mut fallback: Option<std::vec::IntoIter<usize>> = None;
@@ -445,10 +473,10 @@ async fn proxy(
                 &p.target,
                 peer,
                 &conn.ip,
-                &p.body,
+                &upstream_body,
                 authorization.as_deref(),
             );
-            let big_body = (!inline).then(|| p.body.clone());
+            let big_body = (!inline).then(|| upstream_body.clone());
             let res = forward::exchange(
                 &ctx.upstreams,
                 peer,
@@ -559,22 +587,41 @@ async fn proxy(
         }
         let outcome = outcome.unwrap_or(Err((ProxyError::NoHealthyPeer, None)));
 
-        // 9. Relay the response.
+        // 10. Relay the response.
         match outcome {
             Err((e, routed)) => (Phase::Failed(e, routed), watch.finish().await),
             Ok((mut ex, routed, inflight)) => {
-                let dechunk =
-                    head.minor_version == 0 && ex.head.framing == ResponseFraming::Chunked;
-                let body_closes = ex.head.framing == ResponseFraming::UntilClose || dechunk;
+                // Body filters for this response, then how the client's copy is framed:
+                // as the peer framed it unless a filter rewrites the body (re-chunked) or
+                // an HTTP/1.0 client cannot take chunks (raw, then close).
+                let mut filters = response_filters(route, snap, &ex.head, usage_injected);
+                let has_body = ex.head.framing != ResponseFraming::None;
+                let client = if has_body && !filters.is_empty() {
+                    if head.minor_version == 0 {
+                        ClientFraming::Raw
+                    } else {
+                        ClientFraming::Chunked
+                    }
+                } else if head.minor_version == 0 && ex.head.framing == ResponseFraming::Chunked {
+                    ClientFraming::Raw
+                } else {
+                    ClientFraming::Passthrough
+                };
+                let body_closes = client == ClientFraming::Raw
+                    || (client == ClientFraming::Passthrough
+                        && ex.head.framing == ResponseFraming::UntilClose);
                 let keep = keep_client && !body_closes;
                 let mut out = std::mem::take(&mut ex.interim);
-                client_head(&mut out, &ex.head, head, &routing, &routed, keep, dechunk);
+                client_head(&mut out, &ex.head, head, &routing, &routed, keep, client);
                 let plan = RelayPlan {
                     framing: ex.head.framing,
-                    dechunk,
+                    client,
                     idle_timeout: Duration::from_millis(opts.idle_timeout_ms),
                 };
-                let mut stats = RelayStats::default();
+                let mut stats = RelayStats {
+                    capture: bodylog_capture(ctx, route, &p.body),
+                    ..RelayStats::default()
+                };
                 let rbuf = std::mem::take(&mut ex.buf);
                 let (end, rbuf) = relay::relay(
                     &mut conn.wr,
@@ -583,6 +630,7 @@ async fn proxy(
                     rbuf,
                     ex.start,
                     &plan,
+                    &mut filters,
                     &mut watch,
                     &mut stats,
                 )
@@ -608,6 +656,38 @@ async fn proxy(
                         false
                     }
                 };
+                if (200..300).contains(&ex.head.status) {
+                    let sse = crate::postprocess::mode_for(
+                        ex.head.status,
+                        ex.head.headers.get("content-type"),
+                    ) == Some(crate::postprocess::Mode::Sse);
+                    stats.usage = if sse {
+                        crate::transform::usage_from_sse(stats.tail.bytes())
+                    } else {
+                        usage_in_json_tail(stats.tail.bytes())
+                    };
+                    if let Some(u) = stats.usage {
+                        account_usage(seg, route, routed.peer, &u);
+                    }
+                }
+                if let Some(capture) = stats.capture.take() {
+                    let entry = BodylogEntry {
+                        start_ms,
+                        started,
+                        head,
+                        route,
+                        owner: p.owner.as_deref(),
+                        client_ip: &conn.ip,
+                        routed: &routed,
+                        sid: sid.as_ref().map(|s| s.id.as_str()),
+                        source: &routing.source,
+                        model,
+                        stream: p.fields.as_ref().is_some_and(|f| f.stream),
+                        status: ex.head.status,
+                        stats: &stats,
+                    };
+                    bodylog_send(ctx, seg, capture, &entry);
+                }
                 let phase = Phase::Relayed {
                     status: ex.head.status,
                     keep,
@@ -652,6 +732,243 @@ async fn proxy(
     keep
 }
 
+/// The body filters a response gets: the route's post-processing handler (or the server's
+/// default) for 2xx SSE and JSON bodies.
+fn response_filters(
+    route: &RouteRt,
+    snap: &Snapshot,
+    up: &ResponseHead,
+    usage_injected: bool,
+) -> FilterChain {
+    let mut chain = FilterChain::default();
+    // The usage-only frame the router's own include_usage injection caused is removed, so
+    // the client sees exactly the stream it asked for.
+    if usage_injected
+        && crate::postprocess::mode_for(up.status, up.headers.get("content-type"))
+            == Some(crate::postprocess::Mode::Sse)
+    {
+        chain
+            .0
+            .push(Box::new(crate::transform::UsageFrameFilter::new()));
+    }
+    let name = if route.cfg.opts.postprocess.is_empty() {
+        snap.config.server.defaults.postprocess.as_str()
+    } else {
+        route.cfg.opts.postprocess.as_str()
+    };
+    if let Some(handler) = crate::postprocess::Handler::from_name(name) {
+        if let Some(mode) = crate::postprocess::mode_for(up.status, up.headers.get("content-type"))
+        {
+            chain
+                .0
+                .push(Box::new(crate::postprocess::PostProcessor::new(
+                    handler, mode,
+                )));
+        }
+    }
+    chain
+}
+
+impl relay::BodyFilter for crate::transform::UsageFrameFilter {
+    fn feed(&mut self, data: &[u8], out: &mut Vec<u8>) {
+        crate::transform::UsageFrameFilter::feed(self, data, out)
+    }
+    fn finish(&mut self, out: &mut Vec<u8>) {
+        crate::transform::UsageFrameFilter::finish(self, out)
+    }
+}
+
+/// Start a body-log copy of this request when a listener is configured, the route logs
+/// bodies (runtime toggle, else the route option) and the sampling draw says so.
+fn bodylog_capture(
+    ctx: &WorkerCtx,
+    route: &RouteRt,
+    body: &[u8],
+) -> Option<crate::bodylog::capture::Capture> {
+    ctx.bodylog.as_ref()?;
+    let seg = &ctx.shared.seg;
+    let opts = &route.cfg.opts;
+    if !cells::toggle(seg, route.slot, cells::route::TOGGLE_BODYLOG, opts.bodylog) {
+        return None;
+    }
+    let pct = match seg
+        .route_cell(route.slot, cells::route::BODYLOG_PCT)
+        .load(Relaxed)
+    {
+        0 => opts.bodylog_pct,
+        p => (p - 1).min(100) as u8,
+    };
+    crate::bodylog::capture::sampled(pct, ctx.random())
+        .then(|| crate::bodylog::capture::Capture::new(body))
+}
+
+/// What a body-log record says about its request.
+struct BodylogEntry<'a> {
+    start_ms: u64,
+    started: Instant,
+    head: &'a RequestHead,
+    route: &'a RouteRt,
+    owner: Option<&'a str>,
+    client_ip: &'a str,
+    routed: &'a Routed<'a>,
+    sid: Option<&'a str>,
+    source: &'a str,
+    model: Option<&'a str>,
+    stream: bool,
+    status: u16,
+    stats: &'a RelayStats,
+}
+
+/// Queue the record on this worker's sender; never blocks (a full queue drops and counts).
+fn bodylog_send(
+    ctx: &WorkerCtx,
+    seg: &Segment,
+    capture: crate::bodylog::capture::Capture,
+    e: &BodylogEntry<'_>,
+) {
+    let Some(sender) = ctx.bodylog.as_ref() else {
+        return;
+    };
+    let secs = |t: Option<Instant>| {
+        t.map(|t| (t.duration_since(e.started).as_secs_f64() * 1000.0).round() / 1000.0)
+    };
+    let mut meta = json!({
+        "ts_ms": e.start_ms,
+        "request_id": format!("{:016x}{:016x}", ctx.random(), ctx.random()),
+        "route": e.route.name(),
+        "owner": e.owner.unwrap_or("-"),
+        "client_ip": e.client_ip,
+        "method": e.head.method(),
+        "uri": e.head.target(),
+        "req_headers": crate::bodylog::capture::scrub_headers(e.head.headers.iter()),
+        "peer": if e.routed.retries > 0 { format!("{} (retry#{})", e.routed.peer.addr, e.routed.retries) } else { e.routed.peer.addr.to_string() },
+        "peer_name": e.routed.peer.name,
+        "session_src": e.source,
+        "mode": e.routed.mode,
+        "stream": e.stream,
+        "status": e.status,
+        "rt": (e.started.elapsed().as_secs_f64() * 1000.0).round() / 1000.0,
+    });
+    let m = meta.as_object_mut().expect("a JSON object literal");
+    let mut put = |k: &str, v: serde_json::Value| {
+        if !v.is_null() {
+            m.insert(k.into(), v);
+        }
+    };
+    put("session_id", json!(e.sid));
+    put("model", json!(e.model));
+    put("first_chunk_t", json!(secs(e.stats.first_body_at)));
+    put("last_chunk_t", json!(secs(e.stats.last_body_at)));
+    if let Some(u) = e.stats.usage {
+        put("prompt_tokens", json!(u.prompt_tokens));
+        put("cached_tokens", json!(u.cached_tokens));
+        put("completion_tokens", json!(u.completion_tokens));
+    }
+    let cell = if sender.try_send(capture.finish(meta)) {
+        cells::route::BODYLOG_QUEUED
+    } else {
+        cells::route::BODYLOG_DROPPED
+    };
+    seg.route_cell(e.route.slot, cell).fetch_add(1, Relaxed);
+}
+
+/// The usage of a JSON response body, from the last `"usage"` object in its tail.
+fn usage_in_json_tail(tail: &[u8]) -> Option<crate::transform::Usage> {
+    const KEY: &[u8] = b"\"usage\"";
+    let at = tail.windows(KEY.len()).rposition(|w| w == KEY)?;
+    let open = at + tail[at..].iter().position(|&b| b == b'{')?;
+    let v: serde_json::Value = serde_json::Deserializer::from_slice(&tail[open..])
+        .into_iter()
+        .next()?
+        .ok()?;
+    crate::transform::usage_from_json(&v)
+}
+
+/// Add a response's tokens to its route's and peer's counters (SPEC §5.3: the prefix-cache
+/// hit rate is cached / prompt tokens).
+fn account_usage(seg: &Segment, route: &RouteRt, peer: &PeerRt, u: &crate::transform::Usage) {
+    for (rc, pc, v) in [
+        (
+            cells::route::PROMPT_TOKENS,
+            cells::peer::PROMPT_TOKENS,
+            u.prompt_tokens,
+        ),
+        (
+            cells::route::CACHED_TOKENS,
+            cells::peer::CACHED_TOKENS,
+            u.cached_tokens,
+        ),
+        (
+            cells::route::COMPLETION_TOKENS,
+            cells::peer::COMPLETION_TOKENS,
+            u.completion_tokens,
+        ),
+        (
+            cells::route::USAGE_RESPONSES,
+            cells::peer::USAGE_RESPONSES,
+            Some(1),
+        ),
+    ] {
+        if let Some(v) = v {
+            seg.route_cell(route.slot, rc).fetch_add(v, Relaxed);
+            seg.peer_cell(peer.slot, pc).fetch_add(v, Relaxed);
+        }
+    }
+}
+
+/// Bytes whose presence makes a body a candidate for some transform; absent → the body is
+/// forwarded untouched without being parsed again.
+fn transform_candidate(body: &[u8]) -> bool {
+    static RE: std::sync::OnceLock<regex::bytes::Regex> = std::sync::OnceLock::new();
+    RE.get_or_init(|| {
+        regex::bytes::Regex::new(r#"x-anthropic-billing-header|"stream"|[Kk]imi|"system""#)
+            .expect("literal regex")
+    })
+    .is_match(body)
+}
+
+/// Apply the route's request transforms (cch_strip, kimi_normalize, include_usage) as
+/// toggled at runtime, counting what they did. Returns the body to forward and whether
+/// usage reporting was injected (then the response's usage frame is removed again).
+fn transform_body(seg: &Segment, route: &RouteRt, body: &Bytes, path: &str) -> (Bytes, bool) {
+    use cells::route as c;
+    if body.is_empty() || !transform_candidate(body) {
+        return (body.clone(), false);
+    }
+    let opts = &route.cfg.opts;
+    let t = |cell, default| cells::toggle(seg, route.slot, cell, default);
+    let topts = crate::transform::TransformOptions {
+        cch_strip: t(c::TOGGLE_CCH_STRIP, opts.cch_strip),
+        kimi_normalize: t(c::TOGGLE_KIMI_NORMALIZE, opts.kimi_normalize),
+        include_usage: t(c::TOGGLE_INCLUDE_USAGE, opts.include_usage),
+        messages_path: path == "/v1/messages",
+    };
+    let (new, report) = crate::transform::apply(body, &topts);
+    let bump = |cell: usize, n: u64| {
+        if n > 0 {
+            seg.route_cell(route.slot, cell).fetch_add(n, Relaxed);
+        }
+    };
+    bump(c::BODIES_PARSED, report.parsed as u64);
+    bump(c::CCH_STRIPPED, report.cch_stripped as u64);
+    bump(c::KIMI_CHANGES, report.kimi_changes as u64);
+    bump(c::KIMI_REQUESTS, (report.kimi_changes > 0) as u64);
+    bump(c::USAGE_INJECTED, report.usage_injected as u64);
+    (
+        new.map_or_else(|| body.clone(), Bytes::from),
+        report.usage_injected,
+    )
+}
+
+impl relay::BodyFilter for crate::postprocess::PostProcessor {
+    fn feed(&mut self, data: &[u8], out: &mut Vec<u8>) {
+        crate::postprocess::PostProcessor::feed(self, data, out)
+    }
+    fn finish(&mut self, out: &mut Vec<u8>) {
+        crate::postprocess::PostProcessor::finish(self, out)
+    }
+}
+
 /// The `X-Routed-*` values of a request.
 struct RoutingHeaders {
     expose: bool,
@@ -669,7 +986,7 @@ fn client_head(
     routing: &RoutingHeaders,
     routed: &Routed<'_>,
     keep: bool,
-    dechunk: bool,
+    client: ClientFraming,
 ) {
     use std::io::Write;
     out.reserve(512 + up.headers.len() * 48);
@@ -689,7 +1006,11 @@ fn client_head(
         if is_hop_by_hop(name) || (listed && up.headers.connection_lists(name)) {
             continue;
         }
-        if dechunk && name.eq_ignore_ascii_case("transfer-encoding") {
+        // Re-framed bodies carry our framing, not the peer's.
+        if client != ClientFraming::Passthrough
+            && (name.eq_ignore_ascii_case("transfer-encoding")
+                || name.eq_ignore_ascii_case("content-length"))
+        {
             continue;
         }
         // A peer's own routing headers never reach the client: ours describe this hop.
@@ -704,6 +1025,9 @@ fn client_head(
         write_header(out, "X-Routed-Mode", routing.mode.as_bytes());
         write_header(out, "X-Routed-Peer", routed.peer.name.as_bytes());
         let _ = write!(out, "X-Routed-Retries: {}\r\n", routed.retries);
+    }
+    if client == ClientFraming::Chunked {
+        out.extend_from_slice(b"Transfer-Encoding: chunked\r\n");
     }
     if !keep {
         out.extend_from_slice(b"Connection: close\r\n");
@@ -752,6 +1076,9 @@ fn access_log(ctx: &WorkerCtx, e: &AccessEntry<'_>) {
         "request_bytes": e.req_bytes,
         "response_bytes": e.stats.body_bytes,
         "ttft_ms": ttft_ms,
+        "prompt_tokens": e.stats.usage.and_then(|u| u.prompt_tokens),
+        "cached_tokens": e.stats.usage.and_then(|u| u.cached_tokens),
+        "completion_tokens": e.stats.usage.and_then(|u| u.completion_tokens),
         "total_ms": e.started.elapsed().as_secs_f64() * 1000.0,
         "owner": e.owner,
         "worker": ctx.index,

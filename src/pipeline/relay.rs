@@ -28,17 +28,102 @@ pub enum RelayEnd {
 }
 
 /// What the relay measured.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default)]
 pub struct RelayStats {
     pub body_bytes: u64,
     /// First non-empty body bytes, for TTFT.
     pub first_body_at: Option<Instant>,
+    /// The last bytes of the (de-chunked) body, where the usage arrives.
+    pub tail: Tail,
+    /// Tokens the response reported (filled by the caller from `tail`).
+    pub usage: Option<crate::transform::Usage>,
+    /// The body-log copy of the response, when this request is body-logged.
+    pub capture: Option<crate::bodylog::capture::Capture>,
+    /// When the last body bytes arrived.
+    pub last_body_at: Option<Instant>,
+}
+
+impl RelayStats {
+    /// Record decoded body bytes as they pass.
+    fn body(&mut self, d: &[u8]) {
+        self.tail.push(d);
+        if let Some(c) = self.capture.as_mut() {
+            c.push_response(d);
+        }
+    }
+}
+
+/// The last `TAIL_BYTES` bytes of a body, kept as it streams past.
+#[derive(Debug, Default, Clone)]
+pub struct Tail(Vec<u8>);
+
+/// Enough for a final usage frame (and `[DONE]`) or a JSON body's closing `usage`.
+const TAIL_BYTES: usize = 4096;
+
+impl Tail {
+    pub fn push(&mut self, d: &[u8]) {
+        if d.len() >= TAIL_BYTES {
+            self.0.clear();
+            self.0.extend_from_slice(&d[d.len() - TAIL_BYTES..]);
+            return;
+        }
+        let over = (self.0.len() + d.len()).saturating_sub(TAIL_BYTES);
+        if over > 0 {
+            self.0.drain(..over);
+        }
+        self.0.extend_from_slice(d);
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// How the client's copy of the body is framed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientFraming {
+    /// The peer's bytes exactly as framed (the fast path: no decoding work beyond
+    /// finding the end).
+    Passthrough,
+    /// Decoded body bytes without framing: an HTTP/1.0 client; the connection closes.
+    Raw,
+    /// Decoded (and filtered) body bytes re-encoded as chunks.
+    Chunked,
+}
+
+/// Something that rewrites a response body as it streams: fed decoded body bytes, it
+/// appends what the client should get now.
+pub trait BodyFilter {
+    fn feed(&mut self, data: &[u8], out: &mut Vec<u8>);
+    fn finish(&mut self, out: &mut Vec<u8>);
+}
+
+/// Filters applied in order.
+#[derive(Default)]
+pub struct FilterChain(pub Vec<Box<dyn BodyFilter>>);
+
+impl FilterChain {
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn run(&mut self, data: &[u8], finish: bool, out: &mut Vec<u8>) {
+        let mut cur: Vec<u8> = data.to_vec();
+        for f in &mut self.0 {
+            let mut next = Vec::with_capacity(cur.len());
+            f.feed(&cur, &mut next);
+            if finish {
+                f.finish(&mut next);
+            }
+            cur = next;
+        }
+        out.extend_from_slice(&cur);
+    }
 }
 
 pub struct RelayPlan {
     pub framing: ResponseFraming,
-    /// Decode chunked framing for an HTTP/1.0 client instead of passing it through.
-    pub dechunk: bool,
+    pub client: ClientFraming,
     pub idle_timeout: Duration,
 }
 
@@ -50,8 +135,9 @@ enum Tracker {
     UntilClose,
 }
 
-/// Relay the response: `first` (head plus any body bytes already read) goes out in the
-/// first write, then each upstream read becomes one client write.
+/// Relay the response: `head_bytes` (the client's response head) goes out with the first
+/// body bytes, then each upstream read becomes one client write. `buf[start..]` holds body
+/// bytes that arrived with the head. Returns how it ended and the read buffer for reuse.
 #[allow(clippy::too_many_arguments)]
 pub async fn relay(
     client: &mut OwnedWriteHalf<TcpStream>,
@@ -60,6 +146,7 @@ pub async fn relay(
     buf: Vec<u8>,
     start: usize,
     plan: &RelayPlan,
+    filters: &mut FilterChain,
     watch: &mut ClientWatch<'_>,
     stats: &mut RelayStats,
 ) -> (RelayEnd, Option<Vec<u8>>) {
@@ -69,12 +156,16 @@ pub async fn relay(
         ResponseFraming::Chunked => Tracker::Chunked(ChunkedDecoder::default()),
         ResponseFraming::UntilClose => Tracker::UntilClose,
     };
+    let decode = plan.client != ClientFraming::Passthrough;
     let mut out = head_bytes;
     let mut pending = buf;
     let mut pstart = start;
+    // Decoded body bytes of the current read (only when the client's framing differs).
+    let mut decoded: Vec<u8> = Vec::new();
+    let mut eof = false;
     loop {
         // Account for the new bytes in `pending[pstart..]`: `emit` is the part the client
-        // gets as is; decoded data (HTTP/1.0 clients of a chunked peer) goes to `out`.
+        // gets as is (pass-through); decoded bytes go to `decoded`.
         let data = &pending[pstart..];
         let mut finished = false;
         let mut clean = true;
@@ -87,6 +178,10 @@ pub async fn relay(
             Tracker::Length(rem) => {
                 let take = (*rem).min(data.len() as u64) as usize;
                 note_body(stats, take);
+                stats.body(&data[..take]);
+                if decode {
+                    decoded.extend_from_slice(&data[..take]);
+                }
                 *rem -= take as u64;
                 if *rem == 0 {
                     finished = true;
@@ -96,14 +191,13 @@ pub async fn relay(
             }
             Tracker::Chunked(dec) => {
                 let mut data_bytes = 0usize;
-                let used = if plan.dechunk {
-                    dec.feed(data, &mut |d| {
-                        out.extend_from_slice(d);
-                        data_bytes += d.len();
-                    })
-                } else {
-                    dec.feed(data, &mut |d| data_bytes += d.len())
-                };
+                let used = dec.feed(data, &mut |d| {
+                    if decode {
+                        decoded.extend_from_slice(d);
+                    }
+                    stats.body(d);
+                    data_bytes += d.len();
+                });
                 let Ok(used) = used else {
                     return (
                         RelayEnd::UpstreamError("malformed chunked response body"),
@@ -115,35 +209,69 @@ pub async fn relay(
                     finished = true;
                     clean = used == data.len();
                 }
-                if plan.dechunk {
-                    0
-                } else {
-                    used
-                }
+                used
             }
             Tracker::UntilClose => {
                 note_body(stats, data.len());
+                stats.body(data);
+                if decode {
+                    decoded.extend_from_slice(data);
+                }
+                finished = eof;
+                clean = false;
                 data.len()
             }
         };
+        let has_body = !matches!(tracker, Tracker::None);
+        if decode && has_body {
+            // Filter and re-frame what was decoded; at the end, flush the filters and
+            // close the chunked body.
+            let mut body = Vec::new();
+            if filters.is_empty() {
+                std::mem::swap(&mut body, &mut decoded);
+            } else {
+                filters.run(&decoded, finished, &mut body);
+                decoded.clear();
+            }
+            match plan.client {
+                ClientFraming::Chunked => {
+                    if !body.is_empty() {
+                        crate::http::encode_chunk(&body, &mut out);
+                    }
+                    if finished {
+                        out.extend_from_slice(b"0\r\n\r\n");
+                    }
+                }
+                _ => out.extend_from_slice(&body),
+            }
+        }
         // One client write per upstream read: the head (first time) and the new bytes
         // together, or the new bytes straight from the read buffer.
-        if out.is_empty() && emit > 0 {
+        if !decode && out.is_empty() && emit > 0 {
             let (res, slice) = client.write_all(pending.slice(pstart..pstart + emit)).await;
             pending = slice.into_inner();
             if res.is_err() {
                 return (RelayEnd::ClientGone, Some(pending));
             }
-        } else if !out.is_empty() || emit > 0 {
-            out.extend_from_slice(&pending[pstart..pstart + emit]);
-            match write_client(client, out).await {
-                Ok(b) => out = b,
-                Err(_) => return (RelayEnd::ClientGone, Some(pending)),
+        } else {
+            if !decode {
+                out.extend_from_slice(&pending[pstart..pstart + emit]);
             }
-            out.clear();
+            if !out.is_empty() {
+                match write_client(client, out).await {
+                    Ok(b) => out = b,
+                    Err(_) => return (RelayEnd::ClientGone, Some(pending)),
+                }
+                out.clear();
+            }
         }
         if finished {
-            return (RelayEnd::Done { reusable: clean }, Some(pending));
+            return (
+                RelayEnd::Done {
+                    reusable: clean && !eof,
+                },
+                Some(pending),
+            );
         }
         // Read the next piece from the peer into the spent buffer.
         pending.clear();
@@ -167,8 +295,11 @@ pub async fn relay(
         match res {
             Ok(0) | Err(_) => {
                 if let Tracker::UntilClose = tracker {
-                    // The close is the end of the body; the client learns it the same way.
-                    return (RelayEnd::Done { reusable: false }, Some(pending));
+                    // The close is the end of the body: one more turn flushes the filters
+                    // and closes the client's framing.
+                    pending.clear();
+                    eof = true;
+                    continue;
                 }
                 return (
                     RelayEnd::UpstreamError("peer closed before the body was complete"),
@@ -182,9 +313,30 @@ pub async fn relay(
 
 fn note_body(stats: &mut RelayStats, n: usize) {
     if n > 0 {
+        let now = Instant::now();
+        stats.last_body_at = Some(now);
         if stats.first_body_at.is_none() {
-            stats.first_body_at = Some(Instant::now());
+            stats.first_body_at = Some(now);
         }
         stats.body_bytes += n as u64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tail_keeps_the_last_bytes() {
+        let mut t = Tail::default();
+        t.push(b"abc");
+        t.push(b"def");
+        assert_eq!(t.bytes(), b"abcdef");
+        let big = vec![b'x'; TAIL_BYTES + 10];
+        t.push(&big);
+        assert_eq!(t.bytes().len(), TAIL_BYTES);
+        t.push(b"END");
+        assert_eq!(t.bytes().len(), TAIL_BYTES);
+        assert!(t.bytes().ends_with(b"xxEND"));
     }
 }

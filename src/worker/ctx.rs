@@ -36,6 +36,8 @@ pub struct WorkerCtx {
     pub access_log: RefCell<AccessLog>,
     /// Spare relay buffers, so a request does not allocate its read buffer.
     bufs: RefCell<Vec<Vec<u8>>>,
+    /// This worker's body-log sender, when a listener is configured (fixed at start).
+    pub bodylog: Option<Rc<crate::bodylog::sender::Sender>>,
 }
 
 /// Spare relay buffers kept per worker (each `RELAY_READ_BUF_BYTES`).
@@ -55,6 +57,19 @@ impl WorkerCtx {
             server.upstream_idle_per_peer,
             std::time::Duration::from_millis(server.upstream_idle_timeout_ms),
         );
+        let bodylog = server.bodylog_listener.as_deref().and_then(|l| {
+            use std::net::ToSocketAddrs;
+            match l.to_socket_addrs().map(|mut a| a.next()) {
+                Ok(Some(addr)) => Some(crate::bodylog::sender::Sender::new(addr)),
+                _ => {
+                    tracing::error!(
+                        listener = l,
+                        "body-log listener address does not resolve; body logging is off"
+                    );
+                    None
+                }
+            }
+        });
         let seed = (std::process::id() as u64) << 32
             ^ (index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
             ^ shared.started.elapsed().as_nanos() as u64;
@@ -70,6 +85,7 @@ impl WorkerCtx {
             driver,
             access_log: RefCell::new(AccessLog::open(log)),
             bufs: RefCell::new(Vec::new()),
+            bodylog,
         }
     }
 

@@ -222,6 +222,9 @@ fn worker_main(
             }
         }
         monoio::spawn(crate::control::run(ctx.clone()));
+        if let Some(sender) = &ctx.bodylog {
+            monoio::spawn(sender.clone().run());
+        }
         shared.workers_ready.fetch_add(1, Ordering::AcqRel);
         loop {
             monoio::time::sleep(TICK).await;
@@ -248,6 +251,9 @@ fn worker_main(
             }
         }
         ctx.access_log.borrow_mut().flush();
+        if let Some(sender) = &ctx.bodylog {
+            sender.stop();
+        }
         shared.seg.release_worker(wid);
         tracing::info!(worker = idx, left = ctx.active_conns.get(), "worker stopped");
     });

@@ -315,7 +315,6 @@ fn serve_script(
     responses: &[Vec<u8>],
     close_after: usize,
 ) {
-    let mut next = 0usize;
     {
         {
             s.set_nodelay(true).ok();
@@ -343,9 +342,13 @@ fn serve_script(
                     }
                 };
                 let Some(req) = req else { break };
-                rq.lock().unwrap().push(req);
-                let resp = &responses[next % responses.len()];
-                next += 1;
+                // The script advances per request across all connections.
+                let n = {
+                    let mut all = rq.lock().unwrap();
+                    all.push(req);
+                    all.len() - 1
+                };
+                let resp = &responses[n % responses.len()];
                 if s.write_all(resp).is_err() {
                     break;
                 }

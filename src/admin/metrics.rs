@@ -1,0 +1,834 @@
+//! `/metrics` on the admin port: the Prometheus text exposition format, version 0.0.4.
+//!
+//! Every value comes from the snapshot and the shared segment, so any worker answers for
+//! the whole process. Each family is one small function in `FAMILIES`: it opens the family
+//! (name, type, help) and writes its samples; `Sources` holds the label sets, pre-rendered
+//! once per scrape, of every route, pool and peer. Names use no `:` (reserved for recording
+//! rules), counters end in `_total`, and label values are escaped as the format requires.
+//!
+//! Not rendered yet (SPEC §10 / issue 6), to be added as families here when the data
+//! exists: requests by response status, EWMAs (TTFT, decode rate) and adaptive limits,
+//! TTFT and decode-rate histograms, prompt/cached tokens, body-log drops, health
+//! transitions other than bans/unbans (e.g. probe outcomes by result).
+
+use std::collections::HashSet;
+use std::fmt::Write as _;
+use std::sync::atomic::Ordering;
+
+use warmroute_shm::{PeerSlot, Segment};
+
+use super::Response;
+use crate::cells::{self, Relaxed};
+use crate::pipeline::admission;
+use crate::pipeline::peer_select::Load;
+use crate::snapshot::{PeerRt, RouteRt, Snapshot};
+use crate::worker::{WorkerCtx, DRIVER_NAMES};
+
+/// The exposition format's content type.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Answer `GET /metrics`.
+pub fn response(ctx: &WorkerCtx, snap: &Snapshot) -> Response {
+    let src = Sources::new(
+        &ctx.shared.seg,
+        snap,
+        warmroute_shm::now_ms(),
+        ctx.shared
+            .drivers
+            .iter()
+            .map(|d| d.load(Ordering::Acquire))
+            .collect(),
+        ctx.index,
+        ctx.access_log.borrow().dropped(),
+    );
+    Response {
+        status: 200,
+        content_type: CONTENT_TYPE,
+        body: render(&src).into_bytes(),
+        headers: Vec::new(),
+    }
+}
+
+/// One family: writes its header and samples.
+type Family = fn(&mut Exposition, &Sources);
+
+/// Every family, in output order. Adding a series = one function + one entry here.
+const FAMILIES: &[Family] = &[
+    build_info,
+    workers,
+    worker_driver,
+    config_generation,
+    access_log_dropped,
+    route_requests,
+    route_rejected,
+    route_unavailable,
+    route_unauthorized,
+    route_model_not_supported,
+    route_retries,
+    route_routing_mode,
+    pool_limit,
+    pool_inflight,
+    peer_requests,
+    peer_failures,
+    peer_inflight,
+    peer_max_concurrency,
+    peer_banned,
+    peer_bans,
+    peer_unbans,
+    peer_probes,
+    peer_probe_latency,
+];
+
+/// Render every family.
+pub fn render(src: &Sources) -> String {
+    let mut out = Exposition::default();
+    for f in FAMILIES {
+        f(&mut out, src);
+    }
+    out.buf
+}
+
+// ---------------------------------------------------------------------------------------
+// What the families read.
+
+/// A route with its labels (`route`).
+pub struct RouteView<'a> {
+    pub rt: &'a RouteRt,
+    pub labels: Labels,
+}
+
+/// A pool with its labels (`route`, `model`) and its peers' loads read once.
+pub struct PoolView {
+    pub loads: Vec<Load>,
+    pub labels: Labels,
+}
+
+/// A peer with its labels (`route`, `model`, `peer`, `addr`, `priority`). A slot appears
+/// once even if a pool lists the same address twice, so no series is duplicated.
+pub struct PeerView<'a> {
+    pub rt: &'a PeerRt,
+    pub labels: Labels,
+}
+
+/// Everything a scrape reads, gathered once.
+pub struct Sources<'a> {
+    pub seg: &'a Segment,
+    pub snap: &'a Snapshot,
+    pub now_ms: u64,
+    /// Per worker, an index into `DRIVER_NAMES`.
+    pub drivers: Vec<usize>,
+    /// The worker answering this scrape and its own (unshared) access-log drop count.
+    pub worker: usize,
+    pub access_log_dropped: u64,
+    pub routes: Vec<RouteView<'a>>,
+    pub pools: Vec<PoolView>,
+    pub peers: Vec<PeerView<'a>>,
+}
+
+impl<'a> Sources<'a> {
+    pub fn new(
+        seg: &'a Segment,
+        snap: &'a Snapshot,
+        now_ms: u64,
+        drivers: Vec<usize>,
+        worker: usize,
+        access_log_dropped: u64,
+    ) -> Sources<'a> {
+        let mut routes = Vec::with_capacity(snap.routes.len());
+        let mut pools = Vec::new();
+        let mut peers = Vec::new();
+        let mut seen: HashSet<PeerSlot> = HashSet::new();
+        for r in &snap.routes {
+            routes.push(RouteView {
+                rt: r,
+                labels: Labels::new(&[("route", r.name())]),
+            });
+            for p in &r.pools {
+                let model = p.model.as_deref().unwrap_or("");
+                let pool_labels = Labels::new(&[("route", r.name()), ("model", model)]);
+                for peer in &p.peers {
+                    if !seen.insert(peer.slot) {
+                        continue;
+                    }
+                    peers.push(PeerView {
+                        rt: peer,
+                        labels: pool_labels.with(&[
+                            ("peer", &peer.name),
+                            ("addr", &peer.addr.to_string()),
+                            ("priority", &peer.priority.to_string()),
+                        ]),
+                    });
+                }
+                pools.push(PoolView {
+                    loads: p.loads(seg, now_ms),
+                    labels: pool_labels,
+                });
+            }
+        }
+        Sources {
+            seg,
+            snap,
+            now_ms,
+            drivers,
+            worker,
+            access_log_dropped,
+            routes,
+            pools,
+            peers,
+        }
+    }
+
+    fn route_cell(&self, r: &RouteRt, i: usize) -> u64 {
+        self.seg.route_cell(r.slot, i).load(Relaxed)
+    }
+
+    fn peer_cell(&self, p: &PeerRt, i: usize) -> u64 {
+        self.seg.peer_cell(p.slot, i).load(Relaxed)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Families: process.
+
+fn build_info(x: &mut Exposition, _: &Sources) {
+    x.family(
+        "warmroute_build_info",
+        Kind::Gauge,
+        "Always 1; the version label names the running build.",
+    )
+    .sample(
+        &Labels::new(&[("version", env!("CARGO_PKG_VERSION"))]),
+        1u64,
+    );
+}
+
+fn workers(x: &mut Exposition, s: &Sources) {
+    x.family(
+        "warmroute_workers",
+        Kind::Gauge,
+        "Worker threads configured.",
+    )
+    .sample(&Labels::none(), s.drivers.len());
+}
+
+fn worker_driver(x: &mut Exposition, s: &Sources) {
+    let mut f = x.family(
+        "warmroute_worker_driver",
+        Kind::Gauge,
+        "Always 1; the driver label names each worker's I/O driver (io_uring, epoll, or starting).",
+    );
+    for (i, &d) in s.drivers.iter().enumerate() {
+        let name = DRIVER_NAMES.get(d).copied().unwrap_or("unknown");
+        f.sample(
+            &Labels::new(&[("worker", &i.to_string()), ("driver", name)]),
+            1u64,
+        );
+    }
+}
+
+fn config_generation(x: &mut Exposition, s: &Sources) {
+    x.family(
+        "warmroute_config_generation",
+        Kind::Gauge,
+        "Configuration generation in effect; increases by one on every successful reload.",
+    )
+    .sample(&Labels::none(), s.snap.generation);
+}
+
+/// The access log's buffer is per worker and not in the segment: only the worker answering
+/// the scrape reports its own count, under its `worker` label.
+fn access_log_dropped(x: &mut Exposition, s: &Sources) {
+    x.family(
+        "warmroute_access_log_dropped_total",
+        Kind::Counter,
+        "Access-log lines dropped because the worker's buffer was full (reported by the worker answering the scrape).",
+    )
+    .sample(
+        &Labels::new(&[("worker", &s.worker.to_string())]),
+        s.access_log_dropped,
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Families: per route.
+
+/// A counter family with one sample per route, read from one route cell.
+fn route_counter(x: &mut Exposition, s: &Sources, name: &'static str, help: &str, cell: usize) {
+    let mut f = x.family(name, Kind::Counter, help);
+    for r in &s.routes {
+        f.sample(&r.labels, s.route_cell(r.rt, cell));
+    }
+}
+
+fn route_requests(x: &mut Exposition, s: &Sources) {
+    route_counter(
+        x,
+        s,
+        "warmroute_requests_total",
+        "Requests received on the route's proxy endpoints.",
+        cells::route::REQUESTS,
+    );
+}
+
+fn route_rejected(x: &mut Exposition, s: &Sources) {
+    let mut f = x.family(
+        "warmroute_rejected_total",
+        Kind::Counter,
+        "Requests rejected with 429 (or a reject rule's status), by gate.",
+    );
+    for r in &s.routes {
+        for (gate, cell) in [
+            ("concurrency", cells::route::REJECT_CONCURRENCY),
+            ("ttft", cells::route::REJECT_TTFT),
+            ("tps", cells::route::REJECT_TPS),
+            ("rule", cells::route::REJECT_RULE),
+        ] {
+            f.sample_with(&r.labels, &[("gate", gate)], s.route_cell(r.rt, cell));
+        }
+    }
+}
+
+fn route_unavailable(x: &mut Exposition, s: &Sources) {
+    route_counter(
+        x,
+        s,
+        "warmroute_unavailable_total",
+        "Requests answered 503 because no healthy peer could take them.",
+        cells::route::UNAVAILABLE,
+    );
+}
+
+fn route_unauthorized(x: &mut Exposition, s: &Sources) {
+    route_counter(
+        x,
+        s,
+        "warmroute_unauthorized_total",
+        "Requests answered 401: missing or unknown API key.",
+        cells::route::UNAUTHORIZED,
+    );
+}
+
+fn route_model_not_supported(x: &mut Exposition, s: &Sources) {
+    route_counter(
+        x,
+        s,
+        "warmroute_model_not_supported_total",
+        "Requests answered 400 because the route does not serve the requested model.",
+        cells::route::MODEL_NOT_SUPPORTED,
+    );
+}
+
+fn route_retries(x: &mut Exposition, s: &Sources) {
+    route_counter(
+        x,
+        s,
+        "warmroute_retries_total",
+        "Further upstream attempts made after a first attempt failed.",
+        cells::route::RETRIES,
+    );
+}
+
+fn route_routing_mode(x: &mut Exposition, s: &Sources) {
+    let mut f = x.family(
+        "warmroute_routing_mode_total",
+        Kind::Counter,
+        "Peer selections by mode: session hash, hash fallback (hashed peer banned or full), least connections.",
+    );
+    for r in &s.routes {
+        for (mode, cell) in [
+            ("hash", cells::route::MODE_HASH),
+            ("hash_fallback", cells::route::MODE_HASH_FALLBACK),
+            ("least_conn", cells::route::MODE_LEAST_CONN),
+        ] {
+            f.sample_with(&r.labels, &[("mode", mode)], s.route_cell(r.rt, cell));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Families: per pool (model is "" for a flat `peers` list).
+
+fn pool_limit(x: &mut Exposition, s: &Sources) {
+    let mut f = x.family(
+        "warmroute_pool_limit",
+        Kind::Gauge,
+        "Concurrency limit of the pool: sum of max_concurrency over the healthy peers of the active priority tier (0 when none is healthy).",
+    );
+    for p in &s.pools {
+        let limit = admission::figures(&p.loads, 1.0).map_or(0, |fig| fig.limit);
+        f.sample(&p.labels, limit);
+    }
+}
+
+fn pool_inflight(x: &mut Exposition, s: &Sources) {
+    let mut f = x.family(
+        "warmroute_pool_inflight",
+        Kind::Gauge,
+        "Requests in flight over every peer of the pool.",
+    );
+    for p in &s.pools {
+        f.sample(
+            &p.labels,
+            p.loads.iter().map(|l| l.inflight.max(0)).sum::<i64>(),
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Families: per peer.
+
+/// A family with one sample per peer.
+fn peer_family<V: Num>(
+    x: &mut Exposition,
+    s: &Sources,
+    name: &'static str,
+    kind: Kind,
+    help: &str,
+    value: impl Fn(&PeerRt) -> Option<V>,
+) {
+    let mut f = x.family(name, kind, help);
+    for p in &s.peers {
+        if let Some(v) = value(p.rt) {
+            f.sample(&p.labels, v);
+        }
+    }
+}
+
+fn peer_requests(x: &mut Exposition, s: &Sources) {
+    peer_family(
+        x,
+        s,
+        "warmroute_peer_requests_total",
+        Kind::Counter,
+        "Attempts forwarded to the peer (retries included).",
+        |p| Some(s.peer_cell(p, cells::peer::REQUESTS)),
+    );
+}
+
+fn peer_failures(x: &mut Exposition, s: &Sources) {
+    peer_family(
+        x,
+        s,
+        "warmroute_peer_failures_total",
+        Kind::Counter,
+        "Attempts to the peer that failed to connect or got 502/503.",
+        |p| Some(s.peer_cell(p, cells::peer::FAILURES)),
+    );
+}
+
+fn peer_inflight(x: &mut Exposition, s: &Sources) {
+    peer_family(
+        x,
+        s,
+        "warmroute_peer_inflight",
+        Kind::Gauge,
+        "Requests in flight to the peer, over every worker.",
+        |p| Some(s.seg.inflight(p.slot)),
+    );
+}
+
+fn peer_max_concurrency(x: &mut Exposition, s: &Sources) {
+    peer_family(
+        x,
+        s,
+        "warmroute_peer_max_concurrency",
+        Kind::Gauge,
+        "The peer's configured max_concurrency.",
+        |p| Some(p.max_concurrency as u64),
+    );
+}
+
+fn peer_banned(x: &mut Exposition, s: &Sources) {
+    peer_family(
+        x,
+        s,
+        "warmroute_peer_banned",
+        Kind::Gauge,
+        "1 while the peer is banned (unhealthy), else 0.",
+        |p| Some(u64::from(s.seg.is_banned(p.slot, s.now_ms))),
+    );
+}
+
+fn peer_bans(x: &mut Exposition, s: &Sources) {
+    peer_family(
+        x,
+        s,
+        "warmroute_peer_bans_total",
+        Kind::Counter,
+        "Transitions of the peer from healthy to banned.",
+        |p| Some(s.peer_cell(p, cells::peer::BANS)),
+    );
+}
+
+fn peer_unbans(x: &mut Exposition, s: &Sources) {
+    peer_family(
+        x,
+        s,
+        "warmroute_peer_unbans_total",
+        Kind::Counter,
+        "Transitions of the peer from banned to healthy.",
+        |p| Some(s.peer_cell(p, cells::peer::UNBANS)),
+    );
+}
+
+fn peer_probes(x: &mut Exposition, s: &Sources) {
+    peer_family(
+        x,
+        s,
+        "warmroute_peer_probes_total",
+        Kind::Counter,
+        "Health probes sent to the peer.",
+        |p| Some(s.peer_cell(p, cells::peer::PROBES)),
+    );
+}
+
+fn peer_probe_latency(x: &mut Exposition, s: &Sources) {
+    peer_family(
+        x,
+        s,
+        "warmroute_peer_probe_latency_seconds",
+        Kind::Gauge,
+        "Duration of the peer's last health probe (absent until a probe has run).",
+        |p| {
+            (s.peer_cell(p, cells::peer::PROBE_AT_MS) > 0)
+                .then(|| s.peer_cell(p, cells::peer::PROBE_LATENCY_US) as f64 / 1e6)
+        },
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// The text format.
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+}
+
+/// The output being built.
+#[derive(Default)]
+pub struct Exposition {
+    buf: String,
+}
+
+impl Exposition {
+    /// Open a family: writes `# HELP` and `# TYPE`; samples follow through the writer.
+    pub fn family(&mut self, name: &'static str, kind: Kind, help: &str) -> FamilyWriter<'_> {
+        debug_assert!(valid_name(name), "bad metric name {name}");
+        debug_assert!(
+            (kind == Kind::Counter) == name.ends_with("_total"),
+            "{name}: counters and only counters end in _total"
+        );
+        let kind = match kind {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
+        };
+        let _ = writeln!(self.buf, "# HELP {name} {}", escape_help(help));
+        let _ = writeln!(self.buf, "# TYPE {name} {kind}");
+        FamilyWriter {
+            buf: &mut self.buf,
+            name,
+        }
+    }
+}
+
+/// Writes the samples of one family.
+pub struct FamilyWriter<'a> {
+    buf: &'a mut String,
+    name: &'static str,
+}
+
+impl FamilyWriter<'_> {
+    pub fn sample(&mut self, labels: &Labels, v: impl Num) {
+        self.sample_with(labels, &[], v);
+    }
+
+    /// A sample with `labels` plus a few more pairs.
+    pub fn sample_with(&mut self, labels: &Labels, extra: &[(&str, &str)], v: impl Num) {
+        self.buf.push_str(self.name);
+        if !labels.0.is_empty() || !extra.is_empty() {
+            self.buf.push('{');
+            self.buf.push_str(&labels.0);
+            for (i, (k, val)) in extra.iter().enumerate() {
+                if i > 0 || !labels.0.is_empty() {
+                    self.buf.push(',');
+                }
+                push_pair(self.buf, k, val);
+            }
+            self.buf.push('}');
+        }
+        self.buf.push(' ');
+        v.write(self.buf);
+        self.buf.push('\n');
+    }
+}
+
+/// A label set rendered once: `a="x",b="y"` (escaped, without braces).
+#[derive(Clone, Debug, Default)]
+pub struct Labels(String);
+
+impl Labels {
+    pub fn none() -> Labels {
+        Labels::default()
+    }
+
+    pub fn new(pairs: &[(&str, &str)]) -> Labels {
+        Labels::none().with(pairs)
+    }
+
+    /// These labels followed by more.
+    pub fn with(&self, pairs: &[(&str, &str)]) -> Labels {
+        let mut s = self.0.clone();
+        for (k, v) in pairs {
+            if !s.is_empty() {
+                s.push(',');
+            }
+            push_pair(&mut s, k, v);
+        }
+        Labels(s)
+    }
+}
+
+fn push_pair(out: &mut String, k: &str, v: &str) {
+    debug_assert!(valid_label_name(k), "bad label name {k}");
+    out.push_str(k);
+    out.push_str("=\"");
+    escape_label_value_into(out, v);
+    out.push('"');
+}
+
+/// A label value as the format requires: `\` → `\\`, `"` → `\"`, newline → `\n`.
+pub fn escape_label_value_into(out: &mut String, v: &str) {
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+}
+
+/// Help text: `\` → `\\`, newline → `\n`.
+fn escape_help(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('\n', "\\n")
+}
+
+/// `[a-zA-Z_][a-zA-Z0-9_]*`: the metric-name grammar without `:`.
+fn valid_name(n: &str) -> bool {
+    valid_label_name(n)
+}
+
+fn valid_label_name(n: &str) -> bool {
+    let mut b = n.bytes();
+    matches!(b.next(), Some(c) if c.is_ascii_alphabetic() || c == b'_')
+        && b.all(|c| c.is_ascii_alphanumeric() || c == b'_')
+}
+
+/// A sample value.
+pub trait Num {
+    fn write(&self, out: &mut String);
+}
+
+macro_rules! int_num {
+    ($($t:ty),*) => {$(
+        impl Num for $t {
+            fn write(&self, out: &mut String) {
+                let _ = write!(out, "{self}");
+            }
+        }
+    )*};
+}
+int_num!(u64, i64, u32, usize);
+
+impl Num for f64 {
+    fn write(&self, out: &mut String) {
+        if self.is_nan() {
+            out.push_str("NaN");
+        } else if self.is_infinite() {
+            out.push_str(if *self > 0.0 { "+Inf" } else { "-Inf" });
+        } else {
+            let _ = write!(out, "{self}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::sync::Arc;
+
+    use warmroute_shm::Capacities;
+
+    use super::*;
+
+    fn esc(v: &str) -> String {
+        let mut s = String::new();
+        escape_label_value_into(&mut s, v);
+        s
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(esc("plain-1.2:3/x"), "plain-1.2:3/x");
+        assert_eq!(esc(r#"a"b"#), r#"a\"b"#);
+        assert_eq!(esc(r"a\b"), r"a\\b");
+        assert_eq!(esc("a\nb"), r"a\nb");
+        assert_eq!(esc("é\t"), "é\t");
+        assert_eq!(
+            Labels::new(&[("route", "r\"1"), ("peer", "\\")]).0,
+            r#"route="r\"1",peer="\\""#
+        );
+        assert_eq!(escape_help("a\\b\nc"), r"a\\b\nc");
+    }
+
+    #[test]
+    fn sample_values_and_label_joins() {
+        let mut x = Exposition::default();
+        let mut f = x.family("t_g", Kind::Gauge, "h");
+        f.sample(&Labels::none(), 0.25f64);
+        f.sample_with(&Labels::none(), &[("a", "1")], f64::INFINITY);
+        f.sample_with(&Labels::new(&[("b", "2")]), &[("a", "1")], -3i64);
+        f.sample(&Labels::none(), f64::NAN);
+        assert_eq!(
+            x.buf,
+            "# HELP t_g h\n# TYPE t_g gauge\nt_g 0.25\nt_g{a=\"1\"} +Inf\nt_g{b=\"2\",a=\"1\"} -3\nt_g NaN\n"
+        );
+    }
+
+    struct Tmp(PathBuf);
+    impl Drop for Tmp {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    fn fixture() -> (Tmp, Segment, Snapshot) {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "warmroute-metrics-unit-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let tmp = Tmp(path.clone());
+        let seg = Segment::open_or_create(
+            &path,
+            Capacities {
+                workers: 2,
+                peers: 16,
+                routes: 4,
+            },
+        )
+        .unwrap();
+        let cfg = crate::config::load_from_strs(
+            None,
+            &[
+                (
+                    "chat",
+                    r#"peers = [ { host = "127.0.0.1", port = 8001, name = "a\"q\\b", max_concurrency = 3 },
+                                 { host = "127.0.0.1", port = 8002, name = "b", priority = -1 } ]"#,
+                ),
+                (
+                    "bm",
+                    "[peers_by_model]\n\"llama\" = [ { host = \"127.0.0.1\", port = 8003, name = \"c\" } ]\n",
+                ),
+            ],
+        )
+        .unwrap_or_else(|e| panic!("config: {e:?}"));
+        let keys = Arc::new(crate::auth::load_key_file(None));
+        let snap = Snapshot::build(Arc::new(cfg), keys, &seg, 7).unwrap();
+        (tmp, seg, snap)
+    }
+
+    #[test]
+    fn rejected_family_is_preinitialised_per_gate() {
+        let (_t, seg, snap) = fixture();
+        let chat = snap.route("chat").unwrap();
+        seg.route_cell(chat.slot, cells::route::REJECT_CONCURRENCY)
+            .store(5, Relaxed);
+        let src = Sources::new(&seg, &snap, 1, vec![1, 2], 0, 0);
+        let mut x = Exposition::default();
+        route_rejected(&mut x, &src);
+        assert_eq!(
+            x.buf,
+            "# HELP warmroute_rejected_total Requests rejected with 429 (or a reject rule's status), by gate.\n\
+             # TYPE warmroute_rejected_total counter\n\
+             warmroute_rejected_total{route=\"bm\",gate=\"concurrency\"} 0\n\
+             warmroute_rejected_total{route=\"bm\",gate=\"ttft\"} 0\n\
+             warmroute_rejected_total{route=\"bm\",gate=\"tps\"} 0\n\
+             warmroute_rejected_total{route=\"bm\",gate=\"rule\"} 0\n\
+             warmroute_rejected_total{route=\"chat\",gate=\"concurrency\"} 5\n\
+             warmroute_rejected_total{route=\"chat\",gate=\"ttft\"} 0\n\
+             warmroute_rejected_total{route=\"chat\",gate=\"tps\"} 0\n\
+             warmroute_rejected_total{route=\"chat\",gate=\"rule\"} 0\n"
+        );
+    }
+
+    #[test]
+    fn whole_exposition_is_well_formed() {
+        let (_t, seg, snap) = fixture();
+        let w = seg.claim_worker(std::process::id(), 0).unwrap();
+        let chat = snap.route("chat").unwrap();
+        let a = &chat.pools[0].peers[0];
+        seg.inflight_add(w, a.slot, 2);
+        seg.ban(chat.pools[0].peers[1].slot, u64::MAX);
+        seg.peer_cell(a.slot, cells::peer::PROBE_AT_MS)
+            .store(1, Relaxed);
+        seg.peer_cell(a.slot, cells::peer::PROBE_LATENCY_US)
+            .store(1500, Relaxed);
+        let src = Sources::new(&seg, &snap, 1, vec![1, 2], 1, 3);
+        let text = render(&src);
+        let has = |line: &str| assert!(text.lines().any(|l| l == line), "{line}\n{text}");
+        let peer_a = r#"route="chat",model="",peer="a\"q\\b",addr="127.0.0.1:8001",priority="0""#;
+        has(&format!("warmroute_peer_inflight{{{peer_a}}} 2"));
+        has(&format!("warmroute_peer_max_concurrency{{{peer_a}}} 3"));
+        has(&format!(
+            "warmroute_peer_probe_latency_seconds{{{peer_a}}} 0.0015"
+        ));
+        has(
+            r#"warmroute_peer_banned{route="chat",model="",peer="b",addr="127.0.0.1:8002",priority="-1"} 1"#,
+        );
+        has(
+            r#"warmroute_peer_inflight{route="bm",model="llama",peer="c",addr="127.0.0.1:8003",priority="0"} 0"#,
+        );
+        // Only the healthy top tier counts toward the limit.
+        has(r#"warmroute_pool_limit{route="chat",model=""} 3"#);
+        has(r#"warmroute_pool_inflight{route="chat",model=""} 2"#);
+        has(r#"warmroute_worker_driver{worker="0",driver="io_uring"} 1"#);
+        has(r#"warmroute_worker_driver{worker="1",driver="epoll"} 1"#);
+        has("warmroute_workers 2");
+        has("warmroute_config_generation 7");
+        has(r#"warmroute_access_log_dropped_total{worker="1"} 3"#);
+        has(&format!(
+            "warmroute_build_info{{version=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        ));
+        // Never probed: no latency sample.
+        assert!(!text
+            .contains("warmroute_peer_probe_latency_seconds{route=\"chat\",model=\"\",peer=\"b\""));
+        // Structure: every sample belongs to the family whose HELP/TYPE precede it, each
+        // family appears once, counters end in _total, no ':' in names.
+        let mut current = String::new();
+        let mut families = HashSet::new();
+        let mut series = HashSet::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# HELP ") {
+                current = rest.split(' ').next().unwrap().to_string();
+                assert!(families.insert(current.clone()), "family {current} twice");
+                assert!(!current.contains(':'));
+            } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').unwrap();
+                assert_eq!(name, current);
+                assert_eq!(kind == "counter", name.ends_with("_total"), "{name}");
+            } else {
+                let name = line.split(['{', ' ']).next().unwrap();
+                assert_eq!(name, current, "{line}");
+                let (id, value) = line.rsplit_once(' ').unwrap();
+                assert!(series.insert(id.to_string()), "duplicate series {id}");
+                assert!(value.parse::<f64>().is_ok(), "{line}");
+            }
+        }
+        assert_eq!(families.len(), FAMILIES.len());
+        seg.release_worker(w);
+    }
+}

@@ -1,0 +1,127 @@
+//! Body logging through the router, as an operator runs it: 1,000 streamed requests give
+//! 1,000 JSONL records with both bodies and usage; a listener that dies costs no request
+//! (the drops are counted) and logging resumes when it comes back.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+use warmroute::bodylog::listener::{run_listener_with, ListenerConfig, ListenerHandle};
+
+fn listener(addr: SocketAddr, dir: &Path) -> ListenerHandle {
+    run_listener_with(ListenerConfig {
+        listen: addr,
+        metrics_listen: Some("127.0.0.1:0".parse().unwrap()),
+        dir: dir.to_path_buf(),
+        stop: Arc::new(AtomicBool::new(false)),
+    })
+    .expect("listener starts")
+}
+
+/// Every JSONL record under `dir`.
+fn records(dir: &Path) -> Vec<Value> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p: PathBuf = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "jsonl") {
+                for line in std::fs::read_to_string(&p).unwrap_or_default().lines() {
+                    out.push(serde_json::from_str(line).expect("each line is JSON"));
+                }
+            }
+        }
+    }
+    out
+}
+
+fn stream_requests(addr: SocketAddr, n: usize, threads: usize, tag: &str) -> usize {
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let tag = tag.to_string();
+            std::thread::spawn(move || {
+                let mut ok = 0;
+                for i in 0..n / threads {
+                    let body = serde_json::json!({"model": "m", "stream": true, "max_tokens": 3, "stream_options": {"include_usage": true},
+                        "messages": [{"role": "user", "content": format!("{tag} request {t}-{i} words here")}]});
+                    let r = request(addr, &post_json("/r/v1/chat/completions", &body.to_string(), &format!("x-session-id: {tag}-{t}\r\n")));
+                    if r.status == 200 && r.text().contains("[DONE]") {
+                        ok += 1;
+                    }
+                }
+                ok
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).sum()
+}
+
+#[test]
+fn a_thousand_streams_give_a_thousand_records_and_a_dead_listener_costs_nothing() {
+    let dir = shm_path("bodylog-dir");
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let l = listener(port, &dir);
+    let m = mock("m0");
+    let env = start(
+        &[("r", route_for(&[m.addr()], ""))],
+        &format!("[bodylog]\nlistener = \"{port}\"\n"),
+    );
+    assert_eq!(stream_requests(env.public(), 1000, 4, "first"), 1000);
+    eventually(Duration::from_secs(20), "1,000 records written", || {
+        records(&dir).len() == 1000
+    });
+    let recs = records(&dir);
+    let r = &recs[0];
+    assert_eq!(r["route"], "r");
+    assert_eq!(r["status"], 200);
+    assert_eq!(r["resp_format"], "sse");
+    assert_eq!(r["resp_body"], "tok0 tok1 tok2", "{r}");
+    assert!(r["req_body"].as_str().unwrap().contains("request"));
+    assert_eq!(r["usage"]["completion_tokens"], 3);
+    assert!(r["session_id"].as_str().unwrap().starts_with("first-"));
+    assert!(recs.iter().all(|r| r
+        .get("req_headers")
+        .is_some_and(|h| h.get("authorization").is_none())));
+
+    // The listener dies: requests keep succeeding, the records are dropped and counted.
+    l.stop();
+    let ok = stream_requests(env.public(), 200, 4, "down");
+    assert_eq!(ok, 200, "a dead listener costs no request");
+    let status =
+        |route: &str| request(env.public(), &get(&format!("/{route}/_bodylog_status"))).json();
+    eventually(Duration::from_secs(10), "drops counted", || {
+        let s = status("r");
+        s["route_dropped"].as_u64().unwrap_or(0) + s["drop_count"].as_u64().unwrap_or(0) > 0
+            || s["queued_frames"].as_u64().unwrap_or(0) > 0
+    });
+    // It comes back on the same address: logging resumes.
+    let l2 = listener(port, &dir);
+    let before = records(&dir).len();
+    assert_eq!(stream_requests(env.public(), 100, 2, "back"), 100);
+    eventually(Duration::from_secs(20), "records resume", || {
+        records(&dir)
+            .iter()
+            .filter(|r| {
+                r["session_id"]
+                    .as_str()
+                    .is_some_and(|s| s.starts_with("back-"))
+            })
+            .count()
+            == 100
+    });
+    assert!(records(&dir).len() >= before + 100);
+    l2.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,233 @@
+//! `/metrics` on the admin port: Prometheus text format with per-route and per-peer series
+//! that follow real traffic, and `promtool check metrics` clean when promtool is installed.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+
+/// Series (name plus labels, exactly as rendered) → value.
+fn scrape(env: &Env) -> (String, HashMap<String, f64>) {
+    let r = request(env.admin(), &get("/metrics"));
+    assert_eq!(r.status, 200);
+    let ct = r.header("content-type").unwrap_or_default();
+    assert!(ct.starts_with("text/plain; version=0.0.4"), "{ct}");
+    let text = r.text();
+    let mut series = HashMap::new();
+    for line in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+    {
+        let (id, v) = line.rsplit_once(' ').unwrap();
+        let v: f64 = v.parse().unwrap_or_else(|_| panic!("bad value: {line}"));
+        assert!(series.insert(id.to_string(), v).is_none(), "duplicate {id}");
+    }
+    (text, series)
+}
+
+fn val(series: &HashMap<String, f64>, id: &str) -> f64 {
+    *series
+        .get(id)
+        .unwrap_or_else(|| panic!("no series {id} in {series:#?}"))
+}
+
+fn peer(route: &str, name: &str, addr: std::net::SocketAddr) -> String {
+    format!(r#"route="{route}",model="",peer="{name}",addr="{addr}",priority="0""#)
+}
+
+#[test]
+fn metrics_follow_traffic_and_pass_promtool() {
+    let m0 = mock("m0");
+    let m1 = mock("m1");
+    let solo = format!(
+        "peers = [ {{ host = \"127.0.0.1\", port = {}, name = \"solo\", max_concurrency = 1 }} ]\n",
+        m1.addr().port()
+    );
+    let env = start(
+        &[("r", route_for(&[m0.addr(), m1.addr()], "")), ("one", solo)],
+        "",
+    );
+    let addr = env.public();
+    let chat = |route: &str, hdrs: &str| {
+        post_json(
+            &format!("/{route}/v1/chat/completions"),
+            &chat_body("hi", false),
+            hdrs,
+        )
+    };
+
+    // Before any traffic: every series is there, at zero.
+    let (_, s) = scrape(&env);
+    assert_eq!(val(&s, r#"warmroute_requests_total{route="r"}"#), 0.0);
+    for gate in ["concurrency", "ttft", "tps", "rule"] {
+        assert_eq!(
+            val(
+                &s,
+                &format!(r#"warmroute_rejected_total{{route="one",gate="{gate}"}}"#)
+            ),
+            0.0
+        );
+    }
+
+    for _ in 0..3 {
+        assert_eq!(request(addr, &chat("r", "")).status, 200);
+    }
+    // 429: the only slot of `one` is held by a slow request.
+    let slow = std::thread::spawn(move || request(addr, &chat("one", "x-mock-ttft-ms: 800\r\n")));
+    eventually(Duration::from_secs(5), "slow request in flight", || {
+        inflight_total(&env, "one") == 1
+    });
+    let (_, during) = scrape(&env);
+    assert_eq!(
+        val(
+            &during,
+            &format!(
+                "warmroute_peer_inflight{{{}}}",
+                peer("one", "solo", m1.addr())
+            )
+        ),
+        1.0
+    );
+    assert_eq!(
+        val(&during, r#"warmroute_pool_inflight{route="one",model=""}"#),
+        1.0
+    );
+    assert_eq!(request(addr, &chat("one", "")).status, 429);
+    assert_eq!(slow.join().unwrap().status, 200);
+    // 404: a route that does not exist counts on no route.
+    assert_eq!(request(addr, &chat("nope", "")).status, 404);
+
+    let inflight_zero = |s: &HashMap<String, f64>| {
+        s.iter()
+            .filter(|(k, _)| k.starts_with("warmroute_peer_inflight{"))
+            .all(|(_, v)| *v == 0.0)
+    };
+    eventually(Duration::from_secs(5), "in-flight back to 0", || {
+        inflight_zero(&scrape(&env).1)
+    });
+    let (text, s) = scrape(&env);
+
+    assert_eq!(val(&s, r#"warmroute_requests_total{route="r"}"#), 3.0);
+    assert_eq!(val(&s, r#"warmroute_requests_total{route="one"}"#), 2.0);
+    assert_eq!(
+        val(
+            &s,
+            r#"warmroute_rejected_total{route="one",gate="concurrency"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        val(
+            &s,
+            r#"warmroute_rejected_total{route="r",gate="concurrency"}"#
+        ),
+        0.0
+    );
+    assert_eq!(
+        val(&s, r#"warmroute_rejected_total{route="one",gate="ttft"}"#),
+        0.0
+    );
+    assert_eq!(val(&s, r#"warmroute_unavailable_total{route="r"}"#), 0.0);
+    assert_eq!(val(&s, r#"warmroute_retries_total{route="r"}"#), 0.0);
+    let modes: f64 = ["hash", "hash_fallback", "least_conn"]
+        .iter()
+        .map(|m| {
+            val(
+                &s,
+                &format!(r#"warmroute_routing_mode_total{{route="r",mode="{m}"}}"#),
+            )
+        })
+        .sum();
+    assert_eq!(modes, 3.0, "every request of r picked a peer once");
+    let r_peers = [peer("r", "p0", m0.addr()), peer("r", "p1", m1.addr())];
+    let forwarded: f64 = r_peers
+        .iter()
+        .map(|p| val(&s, &format!("warmroute_peer_requests_total{{{p}}}")))
+        .sum();
+    assert_eq!(forwarded, 3.0);
+    let solo = peer("one", "solo", m1.addr());
+    assert_eq!(
+        val(&s, &format!("warmroute_peer_requests_total{{{solo}}}")),
+        1.0
+    );
+    assert_eq!(
+        val(&s, &format!("warmroute_peer_failures_total{{{solo}}}")),
+        0.0
+    );
+    assert_eq!(
+        val(&s, &format!("warmroute_peer_max_concurrency{{{solo}}}")),
+        1.0
+    );
+    assert_eq!(val(&s, &format!("warmroute_peer_banned{{{solo}}}")), 0.0);
+    assert_eq!(
+        val(&s, &format!("warmroute_peer_bans_total{{{solo}}}")),
+        0.0
+    );
+    assert_eq!(
+        val(&s, r#"warmroute_pool_limit{route="one",model=""}"#),
+        1.0
+    );
+    assert_eq!(
+        val(&s, r#"warmroute_pool_inflight{route="one",model=""}"#),
+        0.0
+    );
+    assert!(inflight_zero(&s));
+    assert_eq!(val(&s, "warmroute_workers"), 2.0);
+    let drivers: Vec<&String> = s
+        .keys()
+        .filter(|k| k.starts_with("warmroute_worker_driver{"))
+        .collect();
+    assert_eq!(drivers.len(), 2, "{drivers:?}");
+    assert!(
+        drivers
+            .iter()
+            .all(|k| k.contains(r#"driver="io_uring""#) || k.contains(r#"driver="epoll""#)),
+        "{drivers:?}"
+    );
+    assert_eq!(
+        val(
+            &s,
+            &format!(
+                r#"warmroute_build_info{{version="{}"}}"#,
+                env!("CARGO_PKG_VERSION")
+            )
+        ),
+        1.0
+    );
+    // The public port does not serve it.
+    assert_eq!(request(env.public(), &get("/metrics")).status, 404);
+
+    promtool_check(&text);
+}
+
+/// `promtool check metrics` exits 0 on the exposition, when promtool is on PATH.
+fn promtool_check(text: &str) {
+    let child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn();
+    let Ok(mut child) = child else {
+        eprintln!("promtool not on PATH: skipping `promtool check metrics`");
+        return;
+    };
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics failed ({}):\n{}{}\n--- exposition ---\n{text}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
