@@ -75,6 +75,9 @@ pub mod route {
     pub const CACHED_TOKENS: usize = 28;
     pub const COMPLETION_TOKENS: usize = 29;
     pub const USAGE_RESPONSES: usize = 30;
+    /// Histograms (see `measure`): 14 bucket counts, a sum and a count each.
+    pub const TTFT_HIST: usize = 31; // ..=46
+    pub const TPS_HIST: usize = 47; // ..=62
     /// Per-rule hit counters live in their own route slots: see `rule_slot_key`.
     pub const RULE_HITS: usize = 0;
 }

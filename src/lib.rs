@@ -15,6 +15,7 @@ pub mod control;
 pub mod demo;
 pub mod http;
 pub mod limits;
+pub mod measure;
 pub mod pipeline;
 pub mod postprocess;
 pub mod rules;

@@ -339,3 +339,46 @@ fn vllm_format_renames_and_prunes_json_and_sse() {
     );
     assert_eq!(raw.text(), VLLM_JSON);
 }
+
+#[test]
+fn route_opts_lists_every_option_and_agrees_with_the_engine() {
+    let m = mock("m0");
+    let env = start(&[("r", route_for(&[m.addr()], "max_more_tries = 3\n"))], "");
+    let v = request(env.public(), &get("/r/_route_opts")).json();
+    let all: Vec<&serde_json::Value> = v["options"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(v["advanced"].as_array().unwrap())
+        .collect();
+    assert!(all.len() > 50, "every option of the catalog: {}", all.len());
+    assert!(!v["advanced"].as_array().unwrap().is_empty());
+    let find = |k: &str| {
+        *all.iter()
+            .find(|o| o["key"] == k)
+            .unwrap_or_else(|| panic!("{k} missing"))
+    };
+    let mmt = find("max_more_tries");
+    assert_eq!(
+        (
+            mmt["default"].as_i64(),
+            mmt["value"].as_i64(),
+            mmt["set_by_route"].as_bool()
+        ),
+        (Some(2), Some(3), Some(true))
+    );
+    for o in &all {
+        for field in ["key", "label", "group", "kind", "description"] {
+            assert!(!o[field].is_null(), "{} lacks {field}", o["key"]);
+        }
+        // What the engine runs with, for options the route did not set, is the documented default.
+        if o["set_by_route"] == false && !o["default"].is_null() {
+            assert_eq!(
+                o["value"], o["default"],
+                "{}: engine and catalog disagree",
+                o["key"]
+            );
+        }
+    }
+    assert!(v["adaptive_cc_bounds"][0]["static_max"].as_u64().unwrap() >= 1);
+}

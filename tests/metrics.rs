@@ -231,3 +231,69 @@ fn promtool_check(text: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn ttft_and_decode_rate_histograms_and_tokens() {
+    let m = mock("m0");
+    let env = start(&[("r", route_for(&[m.addr()], ""))], "");
+    for _ in 0..2 {
+        let body = chat_body("one two three four", true);
+        let r = request(
+            env.public(),
+            &post_json(
+                "/r/v1/chat/completions",
+                &body,
+                "x-mock-ttft-ms: 300\r\nx-mock-tokens: 20\r\nx-mock-interval-ms: 30\r\n",
+            ),
+        );
+        assert_eq!(r.status, 200);
+    }
+    let (text, s) = scrape(&env);
+    // Both TTFTs (300 ms plus a little) land at or below 0.5 s, none at or below 0.25 s.
+    assert_eq!(val(&s, r#"warmroute_ttft_seconds_count{route="r"}"#), 2.0);
+    assert_eq!(
+        val(&s, r#"warmroute_ttft_seconds_bucket{route="r",le="0.5"}"#),
+        2.0
+    );
+    assert_eq!(
+        val(&s, r#"warmroute_ttft_seconds_bucket{route="r",le="0.25"}"#),
+        0.0
+    );
+    assert_eq!(
+        val(&s, r#"warmroute_ttft_seconds_bucket{route="r",le="+Inf"}"#),
+        2.0
+    );
+    let ttft_sum = val(&s, r#"warmroute_ttft_seconds_sum{route="r"}"#);
+    assert!((0.6..1.0).contains(&ttft_sum), "{ttft_sum}");
+    // 20 tokens over ~0.57 s: ~35 tokens/s, in the 30–40 bucket.
+    assert_eq!(
+        val(
+            &s,
+            r#"warmroute_decode_rate_tokens_per_second_count{route="r"}"#
+        ),
+        2.0
+    );
+    assert_eq!(
+        val(
+            &s,
+            r#"warmroute_decode_rate_tokens_per_second_bucket{route="r",le="30"}"#
+        ),
+        0.0
+    );
+    assert_eq!(
+        val(
+            &s,
+            r#"warmroute_decode_rate_tokens_per_second_bucket{route="r",le="50"}"#
+        ),
+        2.0
+    );
+    assert_eq!(
+        val(&s, r#"warmroute_completion_tokens_total{route="r"}"#),
+        40.0
+    );
+    assert_eq!(
+        val(&s, r#"warmroute_prompt_tokens_total{route="r"}"#),
+        m.stats().prompt_tokens as f64
+    );
+    promtool_check(&text);
+}

@@ -77,7 +77,108 @@ const FAMILIES: &[Family] = &[
     peer_unbans,
     peer_probes,
     peer_probe_latency,
+    route_prompt_tokens,
+    route_cached_tokens,
+    route_completion_tokens,
+    peer_prompt_tokens,
+    peer_cached_tokens,
+    route_bodylog_dropped,
+    route_ttft_histogram,
+    route_decode_rate_histogram,
 ];
+
+// ---------------------------------------------------------------------------------------
+// Families: tokens, body log, latency histograms.
+
+fn route_prompt_tokens(x: &mut Exposition, s: &Sources) {
+    route_counter(
+        x,
+        s,
+        "warmroute_prompt_tokens_total",
+        "Prompt tokens reported in the responses' usage.",
+        cells::route::PROMPT_TOKENS,
+    );
+}
+
+fn route_cached_tokens(x: &mut Exposition, s: &Sources) {
+    route_counter(x, s, "warmroute_cached_tokens_total", "Prompt tokens the backends served from their prefix cache (usage.prompt_tokens_details.cached_tokens); divided by prompt tokens: the cache hit rate.", cells::route::CACHED_TOKENS);
+}
+
+fn route_completion_tokens(x: &mut Exposition, s: &Sources) {
+    route_counter(
+        x,
+        s,
+        "warmroute_completion_tokens_total",
+        "Completion tokens reported in the responses' usage.",
+        cells::route::COMPLETION_TOKENS,
+    );
+}
+
+fn peer_prompt_tokens(x: &mut Exposition, s: &Sources) {
+    let mut f = x.family(
+        "warmroute_peer_prompt_tokens_total",
+        Kind::Counter,
+        "Prompt tokens reported by this peer.",
+    );
+    for p in &s.peers {
+        f.sample(&p.labels, s.peer_cell(p.rt, cells::peer::PROMPT_TOKENS));
+    }
+}
+
+fn peer_cached_tokens(x: &mut Exposition, s: &Sources) {
+    let mut f = x.family(
+        "warmroute_peer_cached_tokens_total",
+        Kind::Counter,
+        "Prompt tokens this peer served from its prefix cache.",
+    );
+    for p in &s.peers {
+        f.sample(&p.labels, s.peer_cell(p.rt, cells::peer::CACHED_TOKENS));
+    }
+}
+
+fn route_bodylog_dropped(x: &mut Exposition, s: &Sources) {
+    route_counter(
+        x,
+        s,
+        "warmroute_bodylog_dropped_total",
+        "Body-log records dropped because the worker's queue was full (listener slow or down).",
+        cells::route::BODYLOG_DROPPED,
+    );
+}
+
+fn route_histogram(
+    x: &mut Exposition,
+    s: &Sources,
+    name: &'static str,
+    help: &str,
+    h: crate::measure::HistCells,
+    scale: f64,
+) {
+    let mut f = x.family(name, Kind::Histogram, help);
+    let bounds: Vec<f64> = h.bounds.iter().map(|b| b * scale).collect();
+    for r in &s.routes {
+        let counts: Vec<u64> = (0..=h.bounds.len())
+            .map(|i| s.route_cell(r.rt, h.base + i))
+            .collect();
+        let sum = s.route_cell(r.rt, h.sum_cell()) as f64 / 1000.0 * scale;
+        f.histogram(&r.labels, &bounds, &counts, sum);
+    }
+}
+
+fn route_ttft_histogram(x: &mut Exposition, s: &Sources) {
+    route_histogram(x, s, "warmroute_ttft_seconds", "Time to first token of 2xx streamed responses, from the request being read to the first body bytes.", crate::measure::TTFT, 0.001);
+}
+
+fn route_decode_rate_histogram(x: &mut Exposition, s: &Sources) {
+    route_histogram(
+        x,
+        s,
+        "warmroute_decode_rate_tokens_per_second",
+        "Completion tokens per second of responses with enough tokens and time to measure.",
+        crate::measure::TPS,
+        1.0,
+    );
+}
 
 /// Render every family.
 pub fn render(src: &Sources) -> String {
@@ -503,6 +604,7 @@ fn peer_probe_latency(x: &mut Exposition, s: &Sources) {
 pub enum Kind {
     Counter,
     Gauge,
+    Histogram,
 }
 
 /// The output being built.
@@ -522,6 +624,7 @@ impl Exposition {
         let kind = match kind {
             Kind::Counter => "counter",
             Kind::Gauge => "gauge",
+            Kind::Histogram => "histogram",
         };
         let _ = writeln!(self.buf, "# HELP {name} {}", escape_help(help));
         let _ = writeln!(self.buf, "# TYPE {name} {kind}");
@@ -560,6 +663,34 @@ impl FamilyWriter<'_> {
         self.buf.push(' ');
         v.write(self.buf);
         self.buf.push('\n');
+    }
+}
+
+impl FamilyWriter<'_> {
+    /// One histogram series: cumulative `_bucket`s (with `le`), `_sum` and `_count`.
+    /// `counts` are per bucket (the last one unbounded); `sum` is in the sample's unit.
+    pub fn histogram(&mut self, labels: &Labels, bounds: &[f64], counts: &[u64], sum: f64) {
+        let mut cum = 0u64;
+        for (i, c) in counts.iter().enumerate() {
+            cum += c;
+            let le = bounds
+                .get(i)
+                .map_or_else(|| "+Inf".to_string(), |b| format!("{b}"));
+            let _ = write!(self.buf, "{}_bucket{{", self.name);
+            self.buf.push_str(&labels.0);
+            if !labels.0.is_empty() {
+                self.buf.push(',');
+            }
+            push_pair(self.buf, "le", &le);
+            let _ = writeln!(self.buf, "}} {cum}");
+        }
+        let braces = if labels.0.is_empty() {
+            String::new()
+        } else {
+            format!("{{{}}}", labels.0)
+        };
+        let _ = writeln!(self.buf, "{}_sum{braces} {sum}", self.name);
+        let _ = writeln!(self.buf, "{}_count{braces} {cum}", self.name);
     }
 }
 
@@ -822,7 +953,12 @@ mod tests {
                 assert_eq!(kind == "counter", name.ends_with("_total"), "{name}");
             } else {
                 let name = line.split(['{', ' ']).next().unwrap();
-                assert_eq!(name, current, "{line}");
+                // A histogram's samples are its name plus _bucket, _sum or _count.
+                let base = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|suf| name.strip_suffix(suf).filter(|b| *b == current))
+                    .unwrap_or(name);
+                assert_eq!(base, current, "{line}");
                 let (id, value) = line.rsplit_once(' ').unwrap();
                 assert!(series.insert(id.to_string()), "duplicate series {id}");
                 assert!(value.parse::<f64>().is_ok(), "{line}");

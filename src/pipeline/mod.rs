@@ -669,6 +669,29 @@ async fn proxy(
                     if let Some(u) = stats.usage {
                         account_usage(seg, route, routed.peer, &u);
                     }
+                    // TTFT (streams) and decode rate, always measured.
+                    let first = stats.first_body_at;
+                    if let (true, Some(f)) = (sse, first) {
+                        crate::measure::record(
+                            seg,
+                            route.slot,
+                            crate::measure::TTFT,
+                            f.duration_since(body_read_at).as_secs_f64() * 1000.0,
+                        );
+                    }
+                    let tokens = stats.usage.and_then(|u| u.completion_tokens).unwrap_or(0);
+                    let secs = match (sse, first, stats.last_body_at) {
+                        (true, Some(f), Some(l)) => l.duration_since(f).as_secs_f64(),
+                        _ => started.elapsed().as_secs_f64(),
+                    };
+                    if let Some(rate) = crate::measure::decode_rate(
+                        tokens,
+                        secs,
+                        opts.tps_min_tokens,
+                        opts.tps_min_decode_s,
+                    ) {
+                        crate::measure::record(seg, route.slot, crate::measure::TPS, rate);
+                    }
                 }
                 if let Some(capture) = stats.capture.take() {
                     let entry = BodylogEntry {
