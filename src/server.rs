@@ -100,6 +100,18 @@ impl std::fmt::Display for StartError {
     }
 }
 
+/// The segment's fixed capacity. Route slots hold more than routes: each pool of a route
+/// has three (TTFT and decode-rate windows, control) and each reject rule one hit counter,
+/// so they are sized well past the 1024-route limit; peers likewise past 1024 per route
+/// across a few large routes, with room for reloads (slots are never freed).
+fn segment_capacities() -> Capacities {
+    Capacities {
+        workers: 64,
+        peers: 8192,
+        routes: 8192,
+    }
+}
+
 /// Load the key file, logging when authentication is off (fail-open).
 fn load_keys(config: &Config) -> KeyFile {
     let kf = load_key_file(config.server.api_keys_file.as_deref());
@@ -132,7 +144,7 @@ impl Router {
         let config = Arc::new(apply_overrides(config, &overrides));
         let server = &config.server;
         let seg = Arc::new(
-            Segment::open_or_create(&server.shm_path, Capacities::default()).map_err(|e| {
+            Segment::open_or_create(&server.shm_path, segment_capacities()).map_err(|e| {
                 StartError::Io(io::Error::new(
                     e.kind(),
                     format!("shared segment {}: {e}", server.shm_path.display()),

@@ -37,6 +37,8 @@ pub struct PeerRt {
 pub struct PoolRt {
     pub model: Option<String>,
     pub peers: Vec<PeerRt>,
+    /// The pool's measurement and control state in the segment.
+    pub slots: crate::control::pool_state::PoolSlots,
 }
 
 impl PoolRt {
@@ -159,9 +161,21 @@ impl Snapshot {
                         ),
                     });
                 }
+                let slots = crate::control::pool_state::PoolSlots::new(
+                    seg,
+                    &rc.name,
+                    pool.model.as_deref(),
+                )
+                .ok_or_else(|| {
+                    format!(
+                        "shared segment has no free slot for the state of route {}",
+                        rc.name
+                    )
+                })?;
                 pools.push(PoolRt {
                     model: pool.model.clone(),
                     peers,
+                    slots,
                 });
             }
             let route_keys = match &rc.opts.api_keys {

@@ -456,7 +456,7 @@ fn pool_limit(x: &mut Exposition, s: &Sources) {
         "Concurrency limit of the pool: sum of max_concurrency over the healthy peers of the active priority tier (0 when none is healthy).",
     );
     for p in &s.pools {
-        let limit = admission::figures(&p.loads, 1.0).map_or(0, |fig| fig.limit);
+        let limit = admission::figures(&p.loads, 1.0).map_or(0.0, |fig| fig.limit);
         f.sample(&p.labels, limit);
     }
 }
@@ -847,7 +847,7 @@ mod tests {
             Capacities {
                 workers: 2,
                 peers: 16,
-                routes: 4,
+                routes: 32,
             },
         )
         .unwrap();

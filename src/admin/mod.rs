@@ -2,6 +2,7 @@
 //! per-route debug endpoints (`/<route>/_<name>`). Reads the snapshot and the segment;
 //! writes only through the loopback-only toggles.
 
+mod latency;
 mod metrics;
 mod route_opts;
 mod toggles;
@@ -274,7 +275,7 @@ fn tier_json(seg: &Segment, pool: &PoolRt, now: u64) -> Value {
     }
     json!({
         "active_level": active.unwrap_or(0),
-        "limit": fig.map_or(0, |f| f.limit),
+        "limit": crate::pipeline::error_response::limit_json(fig.map_or(0.0, |f| f.limit)),
         "inflight": loads.iter().map(|l| l.inflight).sum::<i64>(),
         "healthy_peers_in_level": fig.map_or(0, |f| f.healthy_peers),
         "by_priority": tiers,
@@ -633,6 +634,7 @@ fn route_endpoint(
             active_conns_set(ctx, route, q)
         }
         other => toggles::handle(ctx, route, other, q, loopback)
+            .or_else(|| latency::handle(ctx, route, other, q, loopback))
             .unwrap_or_else(|| Response::error(&ProxyError::NotFound, Some(route.name()))),
     }
 }

@@ -2,7 +2,12 @@
 //! segment (renewed while it lives, taken over by another worker within a few seconds of
 //! its death) probes the peers. Results go to the segment only.
 
+pub mod aimd;
+pub mod ewma;
 pub mod health;
+pub mod latency;
+pub mod pool_state;
+pub mod session_prio;
 
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -45,7 +50,11 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
             continue;
         }
         let snap = ctx.snapshot();
+        let now_s = now / 1000;
         for route in &snap.routes {
+            for pool in &route.pools {
+                latency::tick(&route.cfg.opts, pool, &seg, now_s);
+            }
             let due = next_round_ms.entry(route.name().to_string()).or_insert(0);
             if now >= *due {
                 *due = now + route.cfg.opts.health_check_interval.max(1) * 1000;

@@ -22,7 +22,7 @@ pub fn figures(loads: &[Load], rt_limit_factor: f64) -> Option<ConcurrencyFigure
         .filter(|l| l.healthy && l.priority == tier)
         .collect();
     Some(ConcurrencyFigures {
-        limit: healthy.iter().map(|l| l.max_concurrency as u64).sum(),
+        limit: healthy.iter().map(|l| l.max_concurrency as f64).sum(),
         inflight: loads.iter().map(|l| l.inflight.max(0)).sum(),
         rt_factor: rt_limit_factor,
         healthy_peers: healthy.len(),
@@ -31,7 +31,7 @@ pub fn figures(loads: &[Load], rt_limit_factor: f64) -> Option<ConcurrencyFigure
 }
 
 pub fn concurrency_gate(f: &ConcurrencyFigures) -> Admission {
-    if f.inflight as f64 >= f.limit as f64 * f.rt_factor {
+    if f.inflight as f64 >= f.limit * f.rt_factor {
         Admission::Shed(*f)
     } else {
         Admission::Admit
@@ -63,7 +63,7 @@ mod tests {
         let f = figures(&loads, 1.0).unwrap();
         assert_eq!(
             (f.limit, f.inflight, f.healthy_peers, f.active_level),
-            (2, 6, 2, 0)
+            (2.0, 6, 2, 0)
         );
         assert!(matches!(concurrency_gate(&f), Admission::Shed(_)));
         let ok = [l(1, 1, true, 0), l(0, 1, true, 0)];

@@ -50,12 +50,22 @@ pub enum ProxyError {
         message: String,
         status: u16,
     },
+    /// The TTFT or decode-rate gate shed the request.
+    LatencyShed {
+        gate: &'static str,
+        ewma: f64,
+        threshold: f64,
+        model: Option<String>,
+        healthy_peers: usize,
+        active_level: i32,
+    },
 }
 
 /// The figures a concurrency 429 reports.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ConcurrencyFigures {
-    pub limit: u64,
+    /// The limit in force: the pool's healthy capacity, or the adaptive limit (fractional).
+    pub limit: f64,
     pub inflight: i64,
     pub rt_factor: f64,
     pub healthy_peers: usize,
@@ -81,6 +91,7 @@ impl ProxyError {
             ProxyError::ModelNotSupported { .. } => 400,
             ProxyError::ConcurrencyLimit(_) => 429,
             ProxyError::RejectedByRule { status, .. } => *status,
+            ProxyError::LatencyShed { .. } => 429,
         }
     }
 
@@ -107,6 +118,8 @@ impl ProxyError {
             ProxyError::ModelNotSupported { .. } => "model_not_supported",
             ProxyError::ConcurrencyLimit(_) => "concurrency_limit_exceeded",
             ProxyError::RejectedByRule { .. } => "rejected_by_rule",
+            ProxyError::LatencyShed { gate: "ttft", .. } => "ttft_limit_exceeded",
+            ProxyError::LatencyShed { .. } => "tps_limit_exceeded",
         }
     }
 
@@ -143,6 +156,10 @@ impl ProxyError {
             },
             ProxyError::ConcurrencyLimit(_) => "concurrency limit exceeded".into(),
             ProxyError::RejectedByRule { message, .. } => message.clone(),
+            ProxyError::LatencyShed { gate: "ttft", .. } => {
+                "time to first token above the route's limit".into()
+            }
+            ProxyError::LatencyShed { .. } => "decode rate below the route's limit".into(),
         }
     }
 
@@ -150,7 +167,9 @@ impl ProxyError {
     pub fn headers(&self) -> &'static [(&'static str, &'static str)] {
         match self {
             ProxyError::NoHealthyPeer => &[("Retry-After", "5")],
-            ProxyError::ConcurrencyLimit(_) => &[("Retry-After", "1")],
+            ProxyError::ConcurrencyLimit(_) | ProxyError::LatencyShed { .. } => {
+                &[("Retry-After", "1")]
+            }
             _ => &[],
         }
     }
@@ -186,6 +205,21 @@ impl ProxyError {
             ProxyError::RejectedByRule { rule, .. } => {
                 err.insert("rule".into(), json!(rule));
             }
+            ProxyError::LatencyShed {
+                gate,
+                ewma,
+                threshold,
+                model,
+                healthy_peers,
+                active_level,
+            } => {
+                err.insert("trigger".into(), json!(format!("{gate}_ewma")));
+                err.insert(format!("{gate}_ewma"), json!((ewma * 10.0).round() / 10.0));
+                err.insert(format!("{gate}_limit"), json!(threshold));
+                err.insert("model".into(), json!(model.as_deref().unwrap_or("-")));
+                err.insert("healthy_peers".into(), json!(healthy_peers));
+                err.insert("active_level".into(), json!(active_level));
+            }
             ProxyError::ModelNotSupported { model, supported } => {
                 err.insert("model".into(), json!(model));
                 err.insert("supported_models".into(), json!(supported));
@@ -195,7 +229,7 @@ impl ProxyError {
                     "trigger".into(),
                     json!(format!("realtime_{}x", f.rt_factor)),
                 );
-                err.insert("limit".into(), json!(f.limit));
+                err.insert("limit".into(), limit_json(f.limit));
                 err.insert("inflight".into(), json!(f.inflight));
                 err.insert("rt_factor".into(), json!(f.rt_factor));
                 err.insert("healthy_peers".into(), json!(f.healthy_peers));
@@ -204,6 +238,16 @@ impl ProxyError {
             _ => {}
         }
         json!({ "error": Value::Object(err) })
+    }
+}
+
+/// A limit as JSON: an integer when it is one (static limits), else the fraction the
+/// adaptive controller holds.
+pub fn limit_json(v: f64) -> Value {
+    if v.fract() == 0.0 && v >= 0.0 && v < u64::MAX as f64 {
+        json!(v as u64)
+    } else {
+        json!(v)
     }
 }
 

@@ -29,7 +29,10 @@ use warmroute_shm::{PeerSlot, Segment, WorkerId};
 
 use crate::auth::{self, AuthDecision};
 use crate::cells::{self, Relaxed};
-use crate::control;
+use crate::control::{
+    self,
+    latency::{self, Signal},
+};
 use crate::http::{
     is_hop_by_hop, status_reason, write_header, RequestHead, ResponseFraming, ResponseHead,
 };
@@ -381,10 +384,15 @@ async fn proxy(
     };
     let (sid, source) = session_id::extract(&head.headers, p.fields.as_ref(), &sid_opts);
 
-    // 6. Loads, then the 503 and concurrency gates (a client's GET /v1/models is exempt
-    //    from the 429 gate, being the backends' own health probe).
-    let loads = pool.loads(seg, warmroute_shm::now_ms());
-    let Some(fig) = admission::figures(&loads, opts.rt_limit_factor) else {
+    // 6. Loads, then the 503 gate and the load gates — concurrency (static or adaptive
+    //    limit), TTFT, and decode rate (only without adaptive concurrency). A client's
+    //    GET /v1/models is exempt from the load gates, being the backends' own health
+    //    probe. With the rate-limit master switch off the gates still measure and count
+    //    their trips, but let the request through.
+    let now_ms = warmroute_shm::now_ms();
+    let now_s = now_ms / 1000;
+    let loads = pool.loads(seg, now_ms);
+    let Some(mut fig) = admission::figures(&loads, opts.rt_limit_factor) else {
         rcell(cells::route::UNAVAILABLE).fetch_add(1, Relaxed);
         return refuse(
             conn,
@@ -395,15 +403,55 @@ async fn proxy(
         .await;
     };
     if upstream_path != "/v1/models" {
+        let ctl_cell = |i| control::pool_state::ctl_cell(seg, pool.slots.ctl, i);
+        ctl_cell(control::pool_state::ctl::CONC).store(fig.inflight.max(0) as u64, Relaxed);
+        let (rate_on, _) = latency::rate_limit_on(opts, pool, seg);
+        fig.limit = latency::concurrency_limit(opts, pool, seg, now_s, fig.limit);
+        let mut shed: Option<ProxyError> = None;
         if let Admission::Shed(f) = admission::concurrency_gate(&fig) {
-            rcell(cells::route::REJECT_CONCURRENCY).fetch_add(1, Relaxed);
-            return refuse(
-                conn,
-                &ProxyError::ConcurrencyLimit(f),
-                Some(route.name()),
-                keep_client,
-            )
-            .await;
+            if rate_on {
+                rcell(cells::route::REJECT_CONCURRENCY).fetch_add(1, Relaxed);
+                // Unmet demand, for the adaptive limit.
+                ctl_cell(control::pool_state::ctl::REJ).fetch_add(1, Relaxed);
+                shed = Some(ProxyError::ConcurrencyLimit(f));
+            } else {
+                latency::count_trip(seg, pool, "concurrency");
+            }
+        }
+        let signals: &[Signal] = if opts.adaptive_cc {
+            &[Signal::Ttft]
+        } else {
+            &[Signal::Ttft, Signal::Tps]
+        };
+        for &sig in signals {
+            if shed.is_some() {
+                break;
+            }
+            if let latency::Verdict::Shed { ewma, threshold } =
+                latency::gate(opts, sig, pool, seg, now_s)
+            {
+                if rate_on {
+                    rcell(if sig == Signal::Ttft {
+                        cells::route::REJECT_TTFT
+                    } else {
+                        cells::route::REJECT_TPS
+                    })
+                    .fetch_add(1, Relaxed);
+                    shed = Some(ProxyError::LatencyShed {
+                        gate: sig.name(),
+                        ewma,
+                        threshold,
+                        model: pool.model.clone().or_else(|| model.map(String::from)),
+                        healthy_peers: fig.healthy_peers,
+                        active_level: fig.active_level,
+                    });
+                } else {
+                    latency::count_trip(seg, pool, sig.name());
+                }
+            }
+        }
+        if let Some(e) = shed {
+            return refuse(conn, &e, Some(route.name()), keep_client).await;
         }
     }
 
@@ -669,14 +717,20 @@ async fn proxy(
                     if let Some(u) = stats.usage {
                         account_usage(seg, route, routed.peer, &u);
                     }
-                    // TTFT (streams) and decode rate, always measured.
+                    // TTFT (streams) and decode rate, always measured: into the route's
+                    // histogram and the pool's window, which feeds the EWMA.
                     let first = stats.first_body_at;
+                    let end_s = warmroute_shm::now_ms() / 1000;
                     if let (true, Some(f)) = (sse, first) {
-                        crate::measure::record(
+                        let ms = f.duration_since(body_read_at).as_secs_f64() * 1000.0;
+                        crate::measure::record(seg, route.slot, crate::measure::TTFT, ms);
+                        control::pool_state::record(
                             seg,
-                            route.slot,
-                            crate::measure::TTFT,
-                            f.duration_since(body_read_at).as_secs_f64() * 1000.0,
+                            pool.slots.ttft,
+                            &crate::measure::TTFT_BOUNDS_MS,
+                            ms,
+                            end_s,
+                            opts.ttft_window,
                         );
                     }
                     let tokens = stats.usage.and_then(|u| u.completion_tokens).unwrap_or(0);
@@ -691,6 +745,14 @@ async fn proxy(
                         opts.tps_min_decode_s,
                     ) {
                         crate::measure::record(seg, route.slot, crate::measure::TPS, rate);
+                        control::pool_state::record(
+                            seg,
+                            pool.slots.tps,
+                            &crate::measure::TPS_BOUNDS,
+                            rate,
+                            end_s,
+                            opts.tps_window,
+                        );
                     }
                 }
                 if let Some(capture) = stats.capture.take() {

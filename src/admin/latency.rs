@@ -1,0 +1,235 @@
+//! Endpoints of measurement and control (SPEC §5, §10): `_ttft_status`, `_tps_status`,
+//! `_cluster_avg`, `_rate_limit_status`, and the loopback-only `_ttft_toggle`,
+//! `_ttft_limit`, `_tps_toggle`, `_tps_limit`, `_rate_limit_toggle`. Everything is per pool
+//! (keyed by model, `_` for a flat route) and lives in the segment, so it holds on every
+//! worker and survives reloads.
+
+use serde_json::{json, Map, Value};
+
+use super::{query_param, Response};
+use crate::cells::Relaxed;
+use crate::control::latency::{self, Signal};
+use crate::control::pool_state::{self as ps, ctl, win};
+use crate::control::{aimd, ewma};
+use crate::pipeline::error_response::ProxyError;
+use crate::snapshot::{PoolRt, RouteRt};
+use crate::worker::WorkerCtx;
+
+fn pool_key(p: &PoolRt) -> String {
+    p.model.clone().unwrap_or_else(|| "_".into())
+}
+
+fn pools_for<'a>(r: &'a RouteRt, model: Option<&str>) -> Vec<&'a PoolRt> {
+    r.pools
+        .iter()
+        .filter(|p| model.is_none() || p.model.as_deref() == model)
+        .collect()
+}
+
+fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
+    let seg = &ctx.shared.seg;
+    let opts = &r.cfg.opts;
+    let now_s = ps::now_s();
+    let cfg = latency::signal_cfg(opts, sig);
+    let mut pools = Map::new();
+    for p in &r.pools {
+        let slot = sig.slot(p);
+        let thr = latency::threshold(opts, sig, p, seg, now_s);
+        let e = latency::current_ewma(opts, sig, p, seg, now_s);
+        let mut v = json!({
+            "metric": cfg.metric,
+            "ewma": e,
+            "threshold": thr.map(|t| t.0),
+            "threshold_source": thr.map(|t| t.1),
+            "active": thr.is_some() && !ps::gate_off(seg, slot),
+            "enforcing": thr.is_some() && !ps::gate_off(seg, slot) && (sig == Signal::Ttft || !opts.adaptive_cc),
+            "hit": ewma::hit(if sig == Signal::Ttft { ewma::Dir::High } else { ewma::Dir::Low }, e, thr.map(|t| t.0), false),
+            "runtime_off": ps::gate_off(seg, slot),
+            "probe_used_cur_window": ps::probes_used(seg, slot, now_s, cfg.probe_window_s),
+            "trips_while_rate_limit_off": seg.route_cell(slot, win::TRIPS_WHILE_OFF).load(Relaxed),
+        });
+        if sig == Signal::Tps && opts.adaptive_cc {
+            let pr = latency::aimd_params(opts);
+            let smax = latency::static_max(p);
+            let cur = latency::aimd_current(opts, p, seg, now_s);
+            let conc = ps::ctl_cell(seg, p.slots.ctl, ctl::CONC).load(Relaxed) as f64;
+            let (at_pressure, at_slack) = aimd::predict(
+                &pr,
+                cur.unwrap_or_else(|| aimd::start(&pr, smax)),
+                conc,
+                smax,
+            );
+            v["adaptive_cc"] = json!(cur);
+            v["adaptive_cc_limit"] = json!(aimd::gate_limit(&pr, cur, smax, smax));
+            v["adaptive_cc_min"] = json!(aimd::floor(&pr, smax));
+            v["adaptive_cc_max"] = json!(smax);
+            v["adaptive_cc_init"] = json!(aimd::start(&pr, smax));
+            v["adaptive_cc_conc"] = json!(conc);
+            v["adaptive_cc_rej"] = json!(ps::ctl_cell(seg, p.slots.ctl, ctl::REJ).load(Relaxed));
+            v["adaptive_cc_at_pressure"] = json!(at_pressure);
+            v["adaptive_cc_at_slack"] = json!(at_slack);
+        }
+        pools.insert(pool_key(p), v);
+    }
+    json!({
+        "route": r.name(),
+        "signal": sig.name(),
+        "alpha": cfg.ewma.alpha,
+        "window_s": cfg.ewma.window_s,
+        "ttl_s": cfg.ewma.ttl_s,
+        "probe_window_s": cfg.probe_window_s,
+        "probe_per_window": cfg.probe_per_window,
+        "adaptive_cc_on": opts.adaptive_cc,
+        "adaptive_cc_hold_when_idle": opts.adaptive_cc_hold_when_idle,
+        "adaptive_cc_interval": opts.adaptive_cc_interval,
+        "pools": pools,
+    })
+}
+
+/// Handle a measurement/control endpoint; None when `name` is not one of them.
+pub fn handle(
+    ctx: &WorkerCtx,
+    r: &RouteRt,
+    name: &str,
+    q: Option<&str>,
+    loopback: bool,
+) -> Option<Response> {
+    let seg = &ctx.shared.seg;
+    let now_s = ps::now_s();
+    let model = query_param(q, "model");
+    let needs_loopback = matches!(
+        name,
+        "ttft_toggle" | "tps_toggle" | "ttft_limit" | "tps_limit" | "rate_limit_toggle"
+    );
+    if needs_loopback && !loopback {
+        return Some(Response::error(
+            &ProxyError::Forbidden("toggles answer loopback (127.0.0.1, ::1) only"),
+            Some(r.name()),
+        ));
+    }
+    let bad = |msg: &str| {
+        Some(Response::json(
+            400,
+            &json!({"route": r.name(), "ok": false, "error": msg}),
+        ))
+    };
+    let pools = pools_for(r, model.as_deref());
+    if pools.is_empty() {
+        return bad("no such model on this route");
+    }
+    let sig = if name.starts_with("ttft") {
+        Signal::Ttft
+    } else {
+        Signal::Tps
+    };
+    match name {
+        "ttft_status" => Some(Response::json(200, &signal_status(ctx, r, Signal::Ttft))),
+        "tps_status" => Some(Response::json(200, &signal_status(ctx, r, Signal::Tps))),
+        "ttft_toggle" | "tps_toggle" => {
+            let on = match query_param(q, "on").as_deref() {
+                Some("1") => true,
+                Some("0") => false,
+                _ => return bad("use ?on=0 (disable) | ?on=1 (enable)"),
+            };
+            for p in &pools {
+                ps::set_gate_off(seg, sig.slot(p), !on);
+            }
+            Some(Response::json(
+                200,
+                &json!({"route": r.name(), "ok": true, "signal": sig.name(), "active": on}),
+            ))
+        }
+        "ttft_limit" | "tps_limit" => {
+            let key = if sig == Signal::Ttft { "ms" } else { "tps" };
+            let ttl = match query_param(q, "ttl").map(|t| t.parse::<u64>()) {
+                None => ewma::DEFAULT_OVERRIDE_TTL_S,
+                Some(Ok(t)) => t,
+                Some(Err(_)) => {
+                    return bad("ttl must be a whole number of seconds (0 = never expires)")
+                }
+            };
+            if let Some(v) = query_param(q, key) {
+                match v.parse::<f64>() {
+                    Ok(0.0) => pools
+                        .iter()
+                        .for_each(|p| ps::set_threshold_override(seg, sig.slot(p), None, now_s)),
+                    Ok(x) if x > 0.0 && x.is_finite() => pools.iter().for_each(|p| {
+                        ps::set_threshold_override(seg, sig.slot(p), Some((x, ttl)), now_s)
+                    }),
+                    _ => return bad("the limit must be a number ≥ 0 (0 clears the override)"),
+                }
+            }
+            let per: Map<String, Value> = pools
+                .iter()
+                .map(|p| {
+                    let t = latency::threshold(&r.cfg.opts, sig, p, seg, now_s);
+                    (pool_key(p), json!({"override": ps::threshold_override(seg, sig.slot(p), now_s), "threshold": t.map(|t| t.0), "source": t.map(|t| t.1)}))
+                })
+                .collect();
+            Some(Response::json(
+                200,
+                &json!({"route": r.name(), "ok": true, "signal": sig.name(), "pools": per}),
+            ))
+        }
+        "rate_limit_toggle" => {
+            let v = if query_param(q, "reset").as_deref() == Some("1") {
+                0
+            } else {
+                match query_param(q, "on").as_deref() {
+                    Some("1") => 1,
+                    Some("0") => 2,
+                    _ => return bad("use ?on=0 | ?on=1 | ?reset=1"),
+                }
+            };
+            for p in &pools {
+                ps::ctl_cell(seg, p.slots.ctl, ctl::RATE_LIMIT).store(v, Relaxed);
+            }
+            Some(Response::json(200, &rate_limit_status(ctx, r)))
+        }
+        "rate_limit_status" => Some(Response::json(200, &rate_limit_status(ctx, r))),
+        "cluster_avg" => {
+            let per: Map<String, Value> = r
+                .pools
+                .iter()
+                .map(|p| {
+                    let (avg, samples) = latency::cluster_avg(p, seg, now_s);
+                    let realtime: i64 = p.peers.iter().map(|x| seg.inflight(x.slot)).sum();
+                    (
+                        pool_key(p),
+                        json!({"realtime_sum": realtime, "avg_5min": avg, "samples": samples}),
+                    )
+                })
+                .collect();
+            Some(Response::json(
+                200,
+                &json!({"route": r.name(), "interval_s": latency::CLUSTER_AVG_INTERVAL_S, "pools": per}),
+            ))
+        }
+        _ => None,
+    }
+}
+
+/// The master switch per pool: effective state, where it comes from, trips per gate.
+pub fn rate_limit_status(ctx: &WorkerCtx, r: &RouteRt) -> Value {
+    let seg = &ctx.shared.seg;
+    let per: Map<String, Value> = r
+        .pools
+        .iter()
+        .map(|p| {
+            let (on, source) = latency::rate_limit_on(&r.cfg.opts, p, seg);
+            (
+                pool_key(p),
+                json!({
+                    "enabled": on,
+                    "source": source,
+                    "trips": {
+                        "concurrency": ps::ctl_cell(seg, p.slots.ctl, ctl::TRIPS_CONCURRENCY).load(Relaxed),
+                        "ttft": seg.route_cell(p.slots.ttft, win::TRIPS_WHILE_OFF).load(Relaxed),
+                        "tps": seg.route_cell(p.slots.tps, win::TRIPS_WHILE_OFF).load(Relaxed),
+                    },
+                }),
+            )
+        })
+        .collect();
+    json!({"route": r.name(), "route_option": r.cfg.opts.load_rate_limit, "pools": per})
+}

@@ -1,0 +1,325 @@
+//! The pools' latency measurement and control, on the segment: which thresholds apply, the
+//! request-path TTFT/decode-rate gates with their probe slots, the rate-limit master
+//! switch, and what the elected worker does each tick (fold windows into EWMAs, step the
+//! adaptive limit, sample the cluster average). The math is in `ewma` and `aimd`.
+
+use warmroute_shm::Segment;
+
+use super::aimd::{self, AimdInput, AimdParams};
+use super::ewma::{self, Dir, EwmaCfg, Stat};
+use super::pool_state::{self as ps, ctl, win};
+use crate::cells::Relaxed;
+use crate::config::RouteOpts;
+use crate::measure::{TPS_BOUNDS, TTFT_BOUNDS_MS};
+use crate::snapshot::PoolRt;
+
+/// How often the cluster average samples pool in-flight, and how many samples it keeps.
+pub const CLUSTER_AVG_INTERVAL_S: u64 = 30;
+pub const CLUSTER_AVG_SAMPLES: u64 = 10;
+
+/// Which of the two measured signals.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Signal {
+    Ttft,
+    Tps,
+}
+
+impl Signal {
+    pub fn bounds(self) -> &'static [f64] {
+        match self {
+            Signal::Ttft => &TTFT_BOUNDS_MS,
+            Signal::Tps => &TPS_BOUNDS,
+        }
+    }
+    fn dir(self) -> Dir {
+        match self {
+            Signal::Ttft => Dir::High,
+            Signal::Tps => Dir::Low,
+        }
+    }
+    pub fn slot(self, pool: &PoolRt) -> warmroute_shm::RouteSlot {
+        match self {
+            Signal::Ttft => pool.slots.ttft,
+            Signal::Tps => pool.slots.tps,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Signal::Ttft => "ttft",
+            Signal::Tps => "tps",
+        }
+    }
+}
+
+/// A signal's settings for a route: window, TTL, α, statistic and probe allowance.
+pub struct SignalCfg {
+    pub ewma: EwmaCfg,
+    pub stat: Stat,
+    pub metric: String,
+    pub probe_window_s: u64,
+    pub probe_per_window: u32,
+}
+
+pub fn signal_cfg(opts: &RouteOpts, sig: Signal) -> SignalCfg {
+    let (metrics, window_s, ttl_s, alpha, pw, ppw, default_q) = match sig {
+        Signal::Ttft => (
+            &opts.ttft_metrics,
+            opts.ttft_window,
+            opts.ttft_ttl,
+            opts.ttft_ewma_alpha,
+            opts.ttft_probe_window,
+            opts.ttft_probe_per_window,
+            ewma::TTFT_DEFAULT_Q,
+        ),
+        Signal::Tps => (
+            &opts.tps_metrics,
+            opts.tps_window,
+            opts.tps_ttl,
+            opts.tps_ewma_alpha,
+            opts.tps_probe_window,
+            opts.tps_probe_per_window,
+            ewma::TPS_DEFAULT_Q,
+        ),
+    };
+    let (stat, metric) = match metrics.first() {
+        Some(m) if m.metric == "avg" => (Stat::Avg, "avg".to_string()),
+        Some(m) => (Stat::Quantile(m.q.unwrap_or(default_q)), m.metric.clone()),
+        None => (
+            Stat::Quantile(default_q),
+            format!("p{}", (default_q * 100.0).round()),
+        ),
+    };
+    SignalCfg {
+        ewma: EwmaCfg {
+            window_s: window_s.max(1),
+            ttl_s,
+            alpha,
+        },
+        stat,
+        metric,
+        probe_window_s: pw,
+        probe_per_window: ppw,
+    }
+}
+
+/// The threshold in force and where it comes from: declared metrics > runtime override >
+/// per-model > route (SPEC §5.1).
+pub fn threshold(
+    opts: &RouteOpts,
+    sig: Signal,
+    pool: &PoolRt,
+    seg: &Segment,
+    now_s: u64,
+) -> Option<(f64, &'static str)> {
+    let (declared, by_model, route) = match sig {
+        Signal::Ttft => (
+            opts.ttft_metrics.first().and_then(|m| m.threshold),
+            &opts.ttft_limit_by_model,
+            opts.ttft_limit_ms,
+        ),
+        Signal::Tps => (
+            opts.tps_metrics.first().and_then(|m| m.threshold),
+            &opts.tps_limit_by_model,
+            opts.tps_limit_tps,
+        ),
+    };
+    let over = ps::threshold_override(seg, sig.slot(pool), now_s).map(|v| (v, 0));
+    let model = pool.model.as_deref().and_then(|m| by_model.get(m).copied());
+    ewma::resolve_threshold(declared, over, model, route, now_s)
+}
+
+/// The live EWMA of a pool's signal.
+pub fn current_ewma(
+    opts: &RouteOpts,
+    sig: Signal,
+    pool: &PoolRt,
+    seg: &Segment,
+    now_s: u64,
+) -> Option<f64> {
+    ps::ewma(seg, sig.slot(pool), now_s, signal_cfg(opts, sig).ewma.ttl_s)
+}
+
+/// A request's verdict at one latency gate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Verdict {
+    Pass,
+    Probe,
+    Shed { ewma: f64, threshold: f64 },
+}
+
+/// The TTFT or decode-rate gate for one request (SPEC §5.1/§5.2). Off unless a threshold
+/// is configured; a runtime toggle can switch it off while measurement goes on.
+pub fn gate(opts: &RouteOpts, sig: Signal, pool: &PoolRt, seg: &Segment, now_s: u64) -> Verdict {
+    let slot = sig.slot(pool);
+    if ps::gate_off(seg, slot) {
+        return Verdict::Pass;
+    }
+    let Some((thr, _)) = threshold(opts, sig, pool, seg, now_s) else {
+        return Verdict::Pass;
+    };
+    let cfg = signal_cfg(opts, sig);
+    let e = ps::ewma(seg, slot, now_s, cfg.ewma.ttl_s);
+    if !ewma::hit(sig.dir(), e, Some(thr), false) {
+        return Verdict::Pass;
+    }
+    let used = ps::take_probe(seg, slot, now_s, cfg.probe_window_s);
+    match sig {
+        Signal::Ttft => ewma::ttft_gate(e, Some(thr), used, cfg.probe_per_window),
+        Signal::Tps => ewma::tps_gate(e, Some(thr), used, cfg.probe_per_window),
+    }
+    .into()
+}
+
+impl From<ewma::Gate> for Verdict {
+    fn from(g: ewma::Gate) -> Verdict {
+        match g {
+            ewma::Gate::Pass => Verdict::Pass,
+            ewma::Gate::Probe => Verdict::Probe,
+            ewma::Gate::Shed { ewma, threshold } => Verdict::Shed { ewma, threshold },
+        }
+    }
+}
+
+/// The rate-limit master switch (SPEC §5.6): runtime override > route option (which already
+/// holds the server default when the route does not set it).
+pub fn rate_limit_on(opts: &RouteOpts, pool: &PoolRt, seg: &Segment) -> (bool, &'static str) {
+    match ps::ctl_cell(seg, pool.slots.ctl, ctl::RATE_LIMIT).load(Relaxed) {
+        1 => (true, "runtime"),
+        2 => (false, "runtime"),
+        _ => (opts.load_rate_limit, "route"),
+    }
+}
+
+pub fn aimd_params(opts: &RouteOpts) -> AimdParams {
+    AimdParams {
+        min: opts.adaptive_cc_min.map(f64::from),
+        min_frac: opts.adaptive_cc_min_frac,
+        init: opts.adaptive_cc_init.map(f64::from),
+        init_frac: opts.adaptive_cc_init_frac,
+        hold_when_idle: opts.adaptive_cc_hold_when_idle,
+        use_ttft: opts.adaptive_cc_use_ttft,
+        inc: opts.adaptive_cc_inc,
+        dec: opts.adaptive_cc_dec,
+        pressure_frac: opts.adaptive_cc_pressure_frac,
+        slack_frac: opts.adaptive_cc_slack_frac,
+        abs: opts.adaptive_cc_abs,
+        ttl_s: opts.adaptive_cc_ttl,
+    }
+}
+
+/// The static capacity adaptive concurrency moves under: the largest per-tier sum of the
+/// configured peers' max_concurrency (bans ignored).
+pub fn static_max(pool: &PoolRt) -> f64 {
+    let mut tiers: Vec<(i32, u64)> = Vec::new();
+    for p in &pool.peers {
+        match tiers.iter_mut().find(|(t, _)| *t == p.priority) {
+            Some((_, s)) => *s += p.max_concurrency as u64,
+            None => tiers.push((p.priority, p.max_concurrency as u64)),
+        }
+    }
+    tiers.iter().map(|(_, s)| *s).max().unwrap_or(0) as f64
+}
+
+/// The stored adaptive limit (None = unset or expired).
+pub fn aimd_current(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) -> Option<f64> {
+    let p = aimd_params(opts);
+    let c = |i| ps::ctl_cell(seg, pool.slots.ctl, i).load(Relaxed);
+    aimd::load(&p, c(ctl::AIMD_BITS), c(ctl::AIMD_AT_S), now_s)
+}
+
+/// The concurrency limit the gate applies: the adaptive one (within the pool's healthy
+/// capacity) when adaptive concurrency is on, else the pool's healthy capacity.
+pub fn concurrency_limit(
+    opts: &RouteOpts,
+    pool: &PoolRt,
+    seg: &Segment,
+    now_s: u64,
+    pool_limit: f64,
+) -> f64 {
+    if !opts.adaptive_cc {
+        return pool_limit;
+    }
+    aimd::gate_limit(
+        &aimd_params(opts),
+        aimd_current(opts, pool, seg, now_s),
+        static_max(pool),
+        pool_limit,
+    )
+}
+
+/// One tick of the elected worker for one pool: fold closed windows, step the adaptive
+/// limit when its interval came round, sample the cluster average.
+pub fn tick(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) {
+    for sig in [Signal::Ttft, Signal::Tps] {
+        let slot = sig.slot(pool);
+        let cfg = signal_cfg(opts, sig);
+        let st = ps::window_state(seg, slot);
+        let cur = cfg.ewma.window_id(now_s);
+        if st.win == cur {
+            continue;
+        }
+        let (counts, sum, n) = ps::take_bank(seg, slot, cur.saturating_sub(1));
+        let v = ewma::window_stat(cfg.stat, sig.bounds(), &counts, sum, n);
+        ps::store_window_state(seg, slot, ewma::advance_merged(st, &cfg.ewma, now_s, v));
+    }
+    let c = |i| ps::ctl_cell(seg, pool.slots.ctl, i);
+    if opts.adaptive_cc
+        && now_s >= c(ctl::AIMD_TICK_S).load(Relaxed) + opts.adaptive_cc_interval.max(1)
+    {
+        c(ctl::AIMD_TICK_S).store(now_s, Relaxed);
+        let p = aimd_params(opts);
+        let input = AimdInput {
+            current: aimd_current(opts, pool, seg, now_s),
+            // The pool's live in-flight at this tick (the segment has it exactly; zero when
+            // idle, which is what lets hold_when_idle hold).
+            concurrency: pool
+                .peers
+                .iter()
+                .map(|p| seg.inflight(p.slot))
+                .sum::<i64>()
+                .max(0) as f64,
+            rejected_since_last: c(ctl::REJ).load(Relaxed),
+            tps_ewma: current_ewma(opts, Signal::Tps, pool, seg, now_s),
+            tps_threshold: threshold(opts, Signal::Tps, pool, seg, now_s).map(|t| t.0),
+            ttft_ewma: current_ewma(opts, Signal::Ttft, pool, seg, now_s),
+            ttft_threshold: threshold(opts, Signal::Ttft, pool, seg, now_s).map(|t| t.0),
+            static_max: static_max(pool),
+        };
+        if let Some(v) = aimd::step(&p, &input) {
+            ps::set_aimd_limit(seg, pool.slots.ctl, v, now_s);
+            c(ctl::REJ).store(0, Relaxed);
+        }
+    }
+    let stamp = now_s / CLUSTER_AVG_INTERVAL_S;
+    let idx = (stamp % CLUSTER_AVG_SAMPLES) as usize;
+    if c(ctl::CLUSTER_STAMP + idx).load(Relaxed) != stamp {
+        let inflight: i64 = pool.peers.iter().map(|p| seg.inflight(p.slot)).sum();
+        c(ctl::CLUSTER_BUCKETS + idx).store(inflight.max(0) as u64 + 1, Relaxed);
+        c(ctl::CLUSTER_STAMP + idx).store(stamp, Relaxed);
+    }
+}
+
+/// The cluster average: mean of the samples of the last five minutes (SPEC §5.5).
+pub fn cluster_avg(pool: &PoolRt, seg: &Segment, now_s: u64) -> (f64, u64) {
+    let now_stamp = now_s / CLUSTER_AVG_INTERVAL_S;
+    let (mut sum, mut n) = (0u64, 0u64);
+    for i in 0..CLUSTER_AVG_SAMPLES as usize {
+        let stamp = ps::ctl_cell(seg, pool.slots.ctl, ctl::CLUSTER_STAMP + i).load(Relaxed);
+        let v = ps::ctl_cell(seg, pool.slots.ctl, ctl::CLUSTER_BUCKETS + i).load(Relaxed);
+        if v > 0 && now_stamp.saturating_sub(stamp) < CLUSTER_AVG_SAMPLES {
+            sum += v - 1;
+            n += 1;
+        }
+    }
+    (if n > 0 { sum as f64 / n as f64 } else { 0.0 }, n)
+}
+
+/// Count a gate trip while the master switch is off (never added to the real 429 counters).
+pub fn count_trip(seg: &Segment, pool: &PoolRt, gate: &str) {
+    let cell = match gate {
+        "concurrency" => ps::ctl_cell(seg, pool.slots.ctl, ctl::TRIPS_CONCURRENCY),
+        "ttft" => seg.route_cell(pool.slots.ttft, win::TRIPS_WHILE_OFF),
+        _ => seg.route_cell(pool.slots.tps, win::TRIPS_WHILE_OFF),
+    };
+    cell.fetch_add(1, Relaxed);
+}

@@ -1,0 +1,204 @@
+//! Where a pool's measurement and control state lives in the segment, and the IO-free
+//! operations on it. A pool is a route's flat peer list or one `peers_by_model` entry;
+//! each pool owns three slots: TTFT and decode-rate ("tps") windows, and control.
+//!
+//! Windows: every worker adds its samples to the bank of the current window
+//! (`window id % 2`); the elected worker folds the previous window's bank into the EWMA
+//! once per window and clears it (single writer for the EWMA). A sample racing the fold at
+//! a window edge may land in a bank already folded and is then counted in the next fold
+//! of that bank — a bounded, harmless smear.
+
+use std::sync::atomic::AtomicU64;
+
+use warmroute_shm::{RouteSlot, Segment};
+
+use crate::cells::Relaxed;
+
+/// Cells of a window slot (TTFT or tps).
+pub mod win {
+    /// Two banks of (14 bucket counts, sum × 1000, count).
+    pub const BANK_CELLS: usize = 16;
+    pub const BANK0: usize = 0;
+    /// The EWMA as f64 bits, and when it was last folded (s; 0 = no EWMA).
+    pub const EWMA_BITS: usize = 32;
+    pub const EWMA_AT_S: usize = 33;
+    /// The last window id folded.
+    pub const FOLDED_WIN: usize = 34;
+    /// Probe slots: the probe window id and requests admitted as probes in it.
+    pub const PROBE_WIN: usize = 35;
+    pub const PROBE_USED: usize = 36;
+    /// Runtime threshold override: f64 bits, and when it expires (s; 0 = none, u64::MAX = never).
+    pub const OVERRIDE_BITS: usize = 37;
+    pub const OVERRIDE_UNTIL_S: usize = 38;
+    /// Runtime off switch for the gate (1 = off; measurement continues).
+    pub const OFF: usize = 39;
+    /// Requests that tripped this gate while the rate-limit master switch was off.
+    pub const TRIPS_WHILE_OFF: usize = 40;
+}
+
+/// Cells of a pool's control slot.
+pub mod ctl {
+    /// The adaptive limit as f64 bits, and when it was written (s; 0 = unset).
+    pub const AIMD_BITS: usize = 0;
+    pub const AIMD_AT_S: usize = 1;
+    /// Concurrency 429s since the last AIMD tick (read and cleared by the tick).
+    pub const REJ: usize = 2;
+    /// The pool in-flight the last request saw (the AIMD's "conc").
+    pub const CONC: usize = 3;
+    /// Rate-limit master switch override: 0 = none, 1 = on, 2 = off.
+    pub const RATE_LIMIT: usize = 4;
+    /// Concurrency-gate trips while the master switch was off.
+    pub const TRIPS_CONCURRENCY: usize = 5;
+    /// When the last AIMD tick ran (s).
+    pub const AIMD_TICK_S: usize = 6;
+    /// Cluster average: ten sampled in-flight sums, one per `CLUSTER_AVG_INTERVAL_S`, each
+    /// stored as value + 1 (0 = empty), and the bucket index of each sample.
+    pub const CLUSTER_BUCKETS: usize = 8; // ..18
+    pub const CLUSTER_STAMP: usize = 18; // ..28: the sample's time (s)
+}
+
+/// The three slots of one pool.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolSlots {
+    pub ttft: RouteSlot,
+    pub tps: RouteSlot,
+    pub ctl: RouteSlot,
+}
+
+impl PoolSlots {
+    pub fn new(seg: &Segment, route: &str, model: Option<&str>) -> Option<PoolSlots> {
+        let key = |kind: &str| {
+            let k = format!("{route}#{kind}:{}", model.unwrap_or(""));
+            if k.len() <= warmroute_shm::MAX_KEY_BYTES {
+                k
+            } else {
+                format!("#{kind}:{:08x}", crc32fast::hash(k.as_bytes()))
+            }
+        };
+        Some(PoolSlots {
+            ttft: seg.route_slot(&key("ttft"))?,
+            tps: seg.route_slot(&key("tps"))?,
+            ctl: seg.route_slot(&key("ctl"))?,
+        })
+    }
+}
+
+fn cell(seg: &Segment, slot: RouteSlot, i: usize) -> &AtomicU64 {
+    seg.route_cell(slot, i)
+}
+
+/// Add a sample to the current window's bank.
+pub fn record(seg: &Segment, slot: RouteSlot, bounds: &[f64], v: f64, now_s: u64, window_s: u64) {
+    if !v.is_finite() || v < 0.0 {
+        return;
+    }
+    let bank = win::BANK0 + ((now_s / window_s.max(1)) % 2) as usize * win::BANK_CELLS;
+    cell(seg, slot, bank + crate::measure::bucket(bounds, v)).fetch_add(1, Relaxed);
+    cell(seg, slot, bank + 14).fetch_add((v * 1000.0) as u64, Relaxed);
+    cell(seg, slot, bank + 15).fetch_add(1, Relaxed);
+}
+
+/// The counts, sum and count of the bank of window `w`, then cleared.
+pub fn take_bank(seg: &Segment, slot: RouteSlot, w: u64) -> ([u64; 14], f64, u64) {
+    let bank = win::BANK0 + (w % 2) as usize * win::BANK_CELLS;
+    let mut counts = [0u64; 14];
+    for (i, c) in counts.iter_mut().enumerate() {
+        *c = cell(seg, slot, bank + i).swap(0, Relaxed);
+    }
+    let sum = cell(seg, slot, bank + 14).swap(0, Relaxed) as f64 / 1000.0;
+    let n = cell(seg, slot, bank + 15).swap(0, Relaxed);
+    (counts, sum, n)
+}
+
+/// The live EWMA, or None when there is none or it expired (`ttl_s` without a fold).
+pub fn ewma(seg: &Segment, slot: RouteSlot, now_s: u64, ttl_s: u64) -> Option<f64> {
+    let at = cell(seg, slot, win::EWMA_AT_S).load(Relaxed);
+    (at != 0 && now_s.saturating_sub(at) <= ttl_s)
+        .then(|| f64::from_bits(cell(seg, slot, win::EWMA_BITS).load(Relaxed)))
+}
+
+/// The runtime threshold override, when set and not expired.
+pub fn threshold_override(seg: &Segment, slot: RouteSlot, now_s: u64) -> Option<f64> {
+    let until = cell(seg, slot, win::OVERRIDE_UNTIL_S).load(Relaxed);
+    (until != 0 && now_s < until)
+        .then(|| f64::from_bits(cell(seg, slot, win::OVERRIDE_BITS).load(Relaxed)))
+}
+
+/// Set (Some(value, ttl_s; ttl 0 = never expires)) or clear (None) the override.
+pub fn set_threshold_override(seg: &Segment, slot: RouteSlot, v: Option<(f64, u64)>, now_s: u64) {
+    match v {
+        Some((x, ttl)) => {
+            cell(seg, slot, win::OVERRIDE_BITS).store(x.to_bits(), Relaxed);
+            cell(seg, slot, win::OVERRIDE_UNTIL_S)
+                .store(if ttl == 0 { u64::MAX } else { now_s + ttl }, Relaxed);
+        }
+        None => cell(seg, slot, win::OVERRIDE_UNTIL_S).store(0, Relaxed),
+    }
+}
+
+/// Count a tripped request in the current probe window; returns how many came before it
+/// in this window (the caller admits it as a probe while that is below the allowance).
+pub fn take_probe(seg: &Segment, slot: RouteSlot, now_s: u64, probe_window_s: u64) -> u64 {
+    let w = now_s / probe_window_s.max(1);
+    let wc = cell(seg, slot, win::PROBE_WIN);
+    let prev = wc.load(Relaxed);
+    if prev != w && wc.compare_exchange(prev, w, Relaxed, Relaxed).is_ok() {
+        cell(seg, slot, win::PROBE_USED).store(0, Relaxed);
+    }
+    cell(seg, slot, win::PROBE_USED).fetch_add(1, Relaxed)
+}
+
+pub fn probes_used(seg: &Segment, slot: RouteSlot, now_s: u64, probe_window_s: u64) -> u64 {
+    let w = now_s / probe_window_s.max(1);
+    if cell(seg, slot, win::PROBE_WIN).load(Relaxed) == w {
+        cell(seg, slot, win::PROBE_USED).load(Relaxed)
+    } else {
+        0
+    }
+}
+
+pub fn gate_off(seg: &Segment, slot: RouteSlot) -> bool {
+    cell(seg, slot, win::OFF).load(Relaxed) == 1
+}
+
+pub fn set_gate_off(seg: &Segment, slot: RouteSlot, off: bool) {
+    cell(seg, slot, win::OFF).store(off as u64, Relaxed);
+}
+
+/// The stored adaptive limit, if written within `ttl_s` (None = unset or expired; with
+/// hold_when_idle the caller passes u64::MAX).
+pub fn aimd_limit(seg: &Segment, ctl_slot: RouteSlot, now_s: u64, ttl_s: u64) -> Option<f64> {
+    let at = cell(seg, ctl_slot, ctl::AIMD_AT_S).load(Relaxed);
+    (at != 0 && now_s.saturating_sub(at) <= ttl_s)
+        .then(|| f64::from_bits(cell(seg, ctl_slot, ctl::AIMD_BITS).load(Relaxed)))
+}
+
+pub fn set_aimd_limit(seg: &Segment, ctl_slot: RouteSlot, v: f64, now_s: u64) {
+    cell(seg, ctl_slot, ctl::AIMD_BITS).store(v.to_bits(), Relaxed);
+    cell(seg, ctl_slot, ctl::AIMD_AT_S).store(now_s.max(1), Relaxed);
+}
+
+pub fn ctl_cell(seg: &Segment, ctl_slot: RouteSlot, i: usize) -> &AtomicU64 {
+    cell(seg, ctl_slot, i)
+}
+
+/// The window state the folder keeps in a window slot.
+pub fn window_state(seg: &Segment, slot: RouteSlot) -> super::ewma::WindowState {
+    super::ewma::WindowState {
+        win: cell(seg, slot, win::FOLDED_WIN).load(Relaxed),
+        ewma_bits: cell(seg, slot, win::EWMA_BITS).load(Relaxed),
+        last_fold_s: cell(seg, slot, win::EWMA_AT_S).load(Relaxed),
+    }
+}
+
+/// Store it: the value before the time that makes it live.
+pub fn store_window_state(seg: &Segment, slot: RouteSlot, st: super::ewma::WindowState) {
+    cell(seg, slot, win::EWMA_BITS).store(st.ewma_bits, Relaxed);
+    cell(seg, slot, win::EWMA_AT_S).store(st.last_fold_s, Relaxed);
+    cell(seg, slot, win::FOLDED_WIN).store(st.win, Relaxed);
+}
+
+/// Seconds since the epoch.
+pub fn now_s() -> u64 {
+    warmroute_shm::now_ms() / 1000
+}

@@ -1,0 +1,178 @@
+//! Measurement and control end to end: TTFT shedding with probe slots and recovery, the
+//! rate-limit master switch, and the adaptive concurrency limit following the decode rate.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+fn stream(env: &Env, extra: &str) -> Resp {
+    let body = json!({"model": "m", "stream": true, "max_tokens": 2, "messages": [{"role": "user", "content": "hi there"}]});
+    request(
+        env.public(),
+        &post_json("/r/v1/chat/completions", &body.to_string(), extra),
+    )
+}
+
+fn burst(env: &Env, n: usize) -> Vec<Resp> {
+    let addr = env.public();
+    let hs: Vec<_> = (0..n)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let body = json!({"model": "m", "stream": true, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
+                request(addr, &post_json("/r/v1/chat/completions", &body.to_string(), ""))
+            })
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn ttft_shedding_probes_recovery_and_the_master_switch() {
+    let m = mock_with("m0", |c| c.ttft_base_ms = 600);
+    let route = route_for(
+        &[m.addr()],
+        "ttft_metrics = [ { metric = \"avg\", threshold = 200 } ]\nttft_window = 1\nttft_ttl = 30\nttft_probe_window = 2\nttft_probe_per_window = 2\n",
+    );
+    let env = start(&[("r", route)], "");
+    // Slow first tokens until the EWMA is above the limit.
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(15) {
+        let r = stream(&env, "");
+        if r.status == 429 {
+            break;
+        }
+    }
+    let st = request(env.public(), &get("/r/_ttft_status")).json();
+    let ewma = st["pools"]["_"]["ewma"].as_f64().expect("an EWMA exists");
+    assert!(ewma >= 200.0, "{st}");
+    // A burst: mostly 429 with the figures, a few probes let through.
+    let rs = burst(&env, 12);
+    let shed: Vec<&Resp> = rs.iter().filter(|r| r.status == 429).collect();
+    let passed = rs.iter().filter(|r| r.status == 200).count();
+    assert!(
+        shed.len() >= 9,
+        "most of the burst is shed: {} shed, {passed} passed",
+        shed.len()
+    );
+    assert!(passed <= 2, "at most the probe allowance passes: {passed}");
+    let e = &shed[0].json()["error"];
+    assert_eq!(e["type"], "ttft_limit_exceeded");
+    assert_eq!(e["ttft_limit"], 200.0);
+    assert!(e["ttft_ewma"].as_f64().unwrap() >= 200.0);
+    assert_eq!(shed[0].header("retry-after"), Some("1"));
+    assert!(
+        request(env.public(), &get("/r/_429_status")).json()["by_reason"]["ttft"]
+            .as_u64()
+            .unwrap()
+            >= 9
+    );
+    // The master switch off: the same burst passes, and the trips are counted.
+    let r = request(env.public(), &get("/r/_rate_limit_toggle?on=0")).json();
+    assert_eq!(r["pools"]["_"]["enabled"], false);
+    let rs = burst(&env, 12);
+    assert!(
+        rs.iter().all(|r| r.status == 200),
+        "{:?}",
+        rs.iter().map(|r| r.status).collect::<Vec<_>>()
+    );
+    let st = request(env.public(), &get("/r/_rate_limit_status")).json();
+    assert!(
+        st["pools"]["_"]["trips"]["ttft"].as_u64().unwrap() >= 10,
+        "{st}"
+    );
+    request(env.public(), &get("/r/_rate_limit_toggle?reset=1"));
+    // The engine recovers: probes carry fast samples in and the route recovers on its own.
+    m.set_config(|c| c.ttft_base_ms = 10);
+    let t0 = Instant::now();
+    let mut recovered = false;
+    while t0.elapsed() < Duration::from_secs(20) {
+        let rs = burst(&env, 4);
+        if rs.iter().all(|r| r.status == 200) {
+            recovered = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    assert!(
+        recovered,
+        "{}",
+        request(env.public(), &get("/r/_ttft_status")).json()
+    );
+    assert!(
+        request(env.public(), &get("/r/_ttft_status")).json()["pools"]["_"]["ewma"]
+            .as_f64()
+            .unwrap()
+            < 200.0
+    );
+}
+
+#[test]
+fn routes_without_a_threshold_never_shed_on_latency() {
+    let m = mock_with("m0", |c| c.ttft_base_ms = 300);
+    let env = start(&[("r", route_for(&[m.addr()], "ttft_window = 1\n"))], "");
+    for _ in 0..8 {
+        assert_eq!(stream(&env, "").status, 200);
+    }
+    std::thread::sleep(Duration::from_millis(1600));
+    assert!(burst(&env, 10).iter().all(|r| r.status == 200));
+    // Measurement still ran (the control that the feature was exercised).
+    let st = request(env.public(), &get("/r/_ttft_status")).json();
+    assert!(st["pools"]["_"]["ewma"].as_f64().unwrap() >= 250.0, "{st}");
+    assert_eq!(st["pools"]["_"]["active"], false);
+}
+
+#[test]
+fn adaptive_limit_falls_with_the_decode_rate_and_climbs_back() {
+    let a = mock_with("a", |c| c.decode_tps = 20.0);
+    let b = mock_with("b", |c| c.decode_tps = 20.0);
+    let route = format!(
+        "peers = [ {{ host = \"127.0.0.1\", port = {}, max_concurrency = 10 }}, {{ host = \"127.0.0.1\", port = {}, max_concurrency = 10 }} ]\n\
+         adaptive_cc = true\nadaptive_cc_init = 16\nadaptive_cc_min = 4\nadaptive_cc_interval = 1\nadaptive_cc_hold_when_idle = true\n\
+         tps_limit_tps = 40\ntps_window = 1\ntps_ttl = 30\ntps_min_tokens = 16\ntps_min_decode_s = 0.5\n",
+        a.addr().port(),
+        b.addr().port()
+    );
+    let env = start(&[("r", route)], "");
+    let limit = || {
+        request(env.public(), &get("/r/_tps_status")).json()["pools"]["_"]["adaptive_cc_limit"]
+            .as_f64()
+            .unwrap()
+    };
+    assert_eq!(limit(), 16.0, "starts at init");
+    let load = |secs: u64, tokens: u32| {
+        let addr = env.public();
+        let hs: Vec<_> = (0..4)
+            .map(|_| {
+                std::thread::spawn(move || {
+                    let t0 = Instant::now();
+                    while t0.elapsed() < Duration::from_secs(secs) {
+                        let body = json!({"model": "m", "stream": true, "max_tokens": tokens, "messages": [{"role": "user", "content": "go"}]});
+                        let _ = request(addr, &post_json("/r/v1/chat/completions", &body.to_string(), ""));
+                    }
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+    };
+    // 20 tokens/s is below the 40 limit: overload, the limit falls (never below the floor).
+    load(6, 16);
+    let low = limit();
+    assert!(
+        (4.0..16.0).contains(&low),
+        "the limit fell below init/static max: {low}"
+    );
+    // The engines recover (fast decode; enough tokens to measure): it climbs back.
+    a.set_config(|c| c.decode_tps = 200.0);
+    b.set_config(|c| c.decode_tps = 200.0);
+    load(6, 120);
+    let high = limit();
+    assert!(high > low, "climbs back after recovery: {low} -> {high}");
+    // Idle with hold_when_idle: it stays where it is.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(limit(), high);
+}
