@@ -176,3 +176,78 @@ fn adaptive_limit_falls_with_the_decode_rate_and_climbs_back() {
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(limit(), high);
 }
+
+#[test]
+fn session_priority_refuses_turn_one_first_near_the_limit() {
+    let m = mock("m0");
+    let route = format!("peers = [ {{ host = \"127.0.0.1\", port = {}, max_concurrency = 10 }} ]\nsession_prio = true\n", m.addr().port());
+    let env = start(&[("r", route)], "");
+    let addr = env.public();
+    let turn =
+        |n: u32| format!("x-phanrouter-session: {{\"session_id\":\"s{n}\",\"turn\":{n}}}\r\n");
+    // Nine warm requests (turn 5) held in flight.
+    let held: Vec<_> = (0..9)
+        .map(|_| {
+            let h = turn(5);
+            std::thread::spawn(move || {
+                request(
+                    addr,
+                    &post_json(
+                        "/r/v1/chat/completions",
+                        &chat_body("x", false),
+                        &format!("{h}x-mock-ttft-ms: 1500\r\n"),
+                    ),
+                )
+            })
+        })
+        .collect();
+    eventually(Duration::from_secs(5), "nine in flight", || {
+        inflight_total(&env, "r") == 9
+    });
+    // Limit 10: turn 1's ceiling is ceil(10 × 0.85) = 9 (full), a warm turn's is 10.
+    let t1 = request(
+        addr,
+        &post_json("/r/v1/chat/completions", &chat_body("x", false), &turn(1)),
+    );
+    assert_eq!(t1.status, 429);
+    assert_eq!(t1.json()["error"]["type"], "concurrency_limit_exceeded");
+    let warm_h = format!("{}x-mock-ttft-ms: 1500\r\n", turn(8));
+    let warm = std::thread::spawn(move || {
+        request(
+            addr,
+            &post_json("/r/v1/chat/completions", &chat_body("x", false), &warm_h),
+        )
+    });
+    eventually(
+        Duration::from_secs(5),
+        "the warm request is admitted",
+        || inflight_total(&env, "r") == 10,
+    );
+    // The control: with the feature off, the same turn-1 request fits under the static limit.
+    request(addr, &get("/r/_session_prio_toggle?on=0"));
+    for h in held {
+        assert_eq!(h.join().unwrap().status, 200);
+    }
+    assert_eq!(warm.join().unwrap().status, 200);
+    let st = request(addr, &get("/r/_session_status")).json();
+    assert_eq!(st["enabled"], false);
+    assert_eq!(st["table"][0]["rejected"], 1, "{st}");
+    assert_eq!(
+        st["table"][0]["bucket"].as_str().map(|s| !s.is_empty()),
+        Some(true)
+    );
+    request(addr, &get("/r/_session_prio_toggle?reset=1"));
+    // Requests without the header are treated as fully warm and counted.
+    assert_eq!(
+        request(
+            addr,
+            &post_json("/r/v1/chat/completions", &chat_body("x", false), "")
+        )
+        .status,
+        200
+    );
+    assert_eq!(
+        request(addr, &get("/r/_session_status")).json()["no_header"]["bnohdr:missing"],
+        1
+    );
+}

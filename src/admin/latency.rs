@@ -10,7 +10,7 @@ use super::{query_param, Response};
 use crate::cells::Relaxed;
 use crate::control::latency::{self, Signal};
 use crate::control::pool_state::{self as ps, ctl, win};
-use crate::control::{aimd, ewma};
+use crate::control::{aimd, ewma, prio_state, session_prio};
 use crate::pipeline::error_response::ProxyError;
 use crate::snapshot::{PoolRt, RouteRt};
 use crate::worker::WorkerCtx;
@@ -187,6 +187,22 @@ pub fn handle(
             Some(Response::json(200, &rate_limit_status(ctx, r)))
         }
         "rate_limit_status" => Some(Response::json(200, &rate_limit_status(ctx, r))),
+        "session_prio_toggle" => {
+            let slot = prio_state::slot(seg, r.name())?;
+            let v = if query_param(q, "reset").as_deref() == Some("1") {
+                0
+            } else {
+                match query_param(q, "on").as_deref() {
+                    Some("1") => 1,
+                    Some("0") => 2,
+                    _ => return bad("use ?on=0 | ?on=1 | ?reset=1"),
+                }
+            };
+            seg.route_cell(slot, prio_state::cell::TOGGLE)
+                .store(v, Relaxed);
+            Some(Response::json(200, &session_status(ctx, r)))
+        }
+        "session_status" => Some(Response::json(200, &session_status(ctx, r))),
         "cluster_avg" => {
             let per: Map<String, Value> = r
                 .pools
@@ -207,6 +223,59 @@ pub fn handle(
         }
         _ => None,
     }
+}
+
+/// Session turn priority: the effective table with per-bucket admits, rejections and cache
+/// hit rate, the no-header counters, and the route-wide hit rate.
+pub fn session_status(ctx: &WorkerCtx, r: &RouteRt) -> Value {
+    let seg = &ctx.shared.seg;
+    let opts = &r.cfg.opts;
+    let Some(slot) = prio_state::slot(seg, r.name()) else {
+        return json!({"route": r.name(), "error": "no segment slot"});
+    };
+    let c = |i| seg.route_cell(slot, i).load(Relaxed);
+    let table = prio_state::table(opts);
+    let buckets: Vec<Value> = table
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let (ptok, ctok) = (c(prio_state::cell::PTOK + i), c(prio_state::cell::CTOK + i));
+            json!({
+                "bucket": session_prio::bucket_label(i, &table),
+                "min_turn": b.min_turn, "share": b.share, "tol": b.tol,
+                "admitted": c(prio_state::cell::ADMITS + i),
+                "rejected": c(prio_state::cell::REJECTS + i),
+                "ptok": ptok, "ctok": ctok,
+                "hit_rate": if ptok > 0 { ctok as f64 / ptok as f64 } else { 0.0 },
+            })
+        })
+        .collect();
+    let nohdr: Map<String, Value> = session_prio::NoHdr::ALL
+        .iter()
+        .map(|n| {
+            (
+                format!("bnohdr:{}", n.as_str()),
+                json!(c(prio_state::cell::NOHDR + n.index())),
+            )
+        })
+        .collect();
+    let rc = |i| seg.route_cell(r.slot, i).load(Relaxed);
+    let (ptok, ctok) = (
+        rc(crate::cells::route::PROMPT_TOKENS),
+        rc(crate::cells::route::CACHED_TOKENS),
+    );
+    json!({
+        "route": r.name(),
+        "enabled": prio_state::enabled(seg, slot, opts),
+        "source": if c(prio_state::cell::TOGGLE) == 0 { "route" } else { "runtime" },
+        "header": session_prio::HEADER,
+        "turn1_hold": c(prio_state::cell::HOLD) == 1,
+        "table": buckets,
+        "no_header": nohdr,
+        "ptok": ptok,
+        "ctok": ctok,
+        "hit_rate": if ptok > 0 { ctok as f64 / ptok as f64 } else { 0.0 },
+    })
 }
 
 /// The master switch per pool: effective state, where it comes from, trips per gate.

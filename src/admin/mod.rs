@@ -559,6 +559,7 @@ fn route_endpoint(
                     "total": totals.iter().sum::<u64>(),
                     "by_reason": {"concurrency": totals[0], "ttft": totals[1], "tps": totals[2], "rule": totals[3]},
                     "by_route": by_route,
+                    "rate_limit": scope.iter().map(|r| (r.name().to_string(), latency::rate_limit_status(ctx, r))).collect::<Map<String, Value>>(),
                     "worker_id": ctx.index,
                 }),
             )

@@ -7,6 +7,7 @@ pub mod ewma;
 pub mod health;
 pub mod latency;
 pub mod pool_state;
+pub mod prio_state;
 pub mod session_prio;
 
 use std::collections::HashMap;

@@ -402,18 +402,45 @@ async fn proxy(
         )
         .await;
     };
+    let mut prio_bucket: Option<(warmroute_shm::RouteSlot, usize)> = None;
     if upstream_path != "/v1/models" {
         let ctl_cell = |i| control::pool_state::ctl_cell(seg, pool.slots.ctl, i);
         ctl_cell(control::pool_state::ctl::CONC).store(fig.inflight.max(0) as u64, Relaxed);
         let (rate_on, _) = latency::rate_limit_on(opts, pool, seg);
         fig.limit = latency::concurrency_limit(opts, pool, seg, now_s, fig.limit);
+        // Session turn priority, when on: the request's turn bucket grades the gates.
+        let prio = control::prio_state::slot(seg, route.name())
+            .filter(|&slot| control::prio_state::enabled(seg, slot, opts))
+            .map(|slot| {
+                let table = control::prio_state::table(opts);
+                let header = head.headers.get(control::session_prio::HEADER);
+                let bucket = control::prio_state::classify(
+                    seg,
+                    slot,
+                    route.name(),
+                    opts,
+                    &table,
+                    header,
+                    now_s,
+                );
+                (slot, table, bucket)
+            });
         let mut shed: Option<ProxyError> = None;
-        if let Admission::Shed(f) = admission::concurrency_gate(&fig) {
+        let conc_shed = match &prio {
+            Some((_, table, b)) => !control::session_prio::concurrency_admit(
+                fig.inflight as f64,
+                fig.limit,
+                fig.rt_factor,
+                table[*b].share,
+            ),
+            None => matches!(admission::concurrency_gate(&fig), Admission::Shed(_)),
+        };
+        if conc_shed {
             if rate_on {
                 rcell(cells::route::REJECT_CONCURRENCY).fetch_add(1, Relaxed);
                 // Unmet demand, for the adaptive limit.
                 ctl_cell(control::pool_state::ctl::REJ).fetch_add(1, Relaxed);
-                shed = Some(ProxyError::ConcurrencyLimit(f));
+                shed = Some(ProxyError::ConcurrencyLimit(fig));
             } else {
                 latency::count_trip(seg, pool, "concurrency");
             }
@@ -427,9 +454,13 @@ async fn proxy(
             if shed.is_some() {
                 break;
             }
-            if let latency::Verdict::Shed { ewma, threshold } =
-                latency::gate(opts, sig, pool, seg, now_s)
-            {
+            let verdict = match &prio {
+                Some((slot, table, b)) => {
+                    graded_gate(seg, opts, sig, pool, *slot, table, *b, now_s)
+                }
+                None => latency::gate(opts, sig, pool, seg, now_s),
+            };
+            if let latency::Verdict::Shed { ewma, threshold } = verdict {
                 if rate_on {
                     rcell(if sig == Signal::Ttft {
                         cells::route::REJECT_TTFT
@@ -449,6 +480,10 @@ async fn proxy(
                     latency::count_trip(seg, pool, sig.name());
                 }
             }
+        }
+        if let Some((slot, _, b)) = &prio {
+            control::prio_state::count(seg, *slot, *b, shed.is_none());
+            prio_bucket = Some((*slot, *b));
         }
         if let Some(e) = shed {
             return refuse(conn, &e, Some(route.name()), keep_client).await;
@@ -716,6 +751,15 @@ async fn proxy(
                     };
                     if let Some(u) = stats.usage {
                         account_usage(seg, route, routed.peer, &u);
+                        if let Some((slot, b)) = prio_bucket {
+                            control::prio_state::add_tokens(
+                                seg,
+                                slot,
+                                b,
+                                u.prompt_tokens.unwrap_or(0),
+                                u.cached_tokens.unwrap_or(0),
+                            );
+                        }
                     }
                     // TTFT (streams) and decode rate, always measured: into the route's
                     // histogram and the pool's window, which feeds the EWMA.
@@ -955,6 +999,70 @@ fn bodylog_send(
         cells::route::BODYLOG_DROPPED
     };
     seg.route_cell(e.route.slot, cell).fetch_add(1, Relaxed);
+}
+
+/// The TTFT or decode-rate gate graded by the request's turn bucket (session priority):
+/// warm requests may take the pool's probe slots, turn-1 requests their own small budget,
+/// and a hysteresis flag holds turn 1 out until the EWMA falls back.
+#[allow(clippy::too_many_arguments)]
+fn graded_gate(
+    seg: &Segment,
+    opts: &crate::config::RouteOpts,
+    sig: Signal,
+    pool: &crate::snapshot::PoolRt,
+    prio_slot: warmroute_shm::RouteSlot,
+    table: &[crate::config::PrioBucket],
+    bucket: usize,
+    now_s: u64,
+) -> latency::Verdict {
+    use control::pool_state as ps;
+    use control::prio_state::cell;
+    use control::session_prio::{self as sp, PrioGate};
+    let slot = sig.slot(pool);
+    if ps::gate_off(seg, slot) {
+        return latency::Verdict::Pass;
+    }
+    let Some((threshold, _)) = latency::threshold(opts, sig, pool, seg, now_s) else {
+        return latency::Verdict::Pass;
+    };
+    let cfg = latency::signal_cfg(opts, sig);
+    let hold_cell = seg.route_cell(prio_slot, cell::HOLD);
+    let t1_win = now_s / cfg.probe_window_s.max(1);
+    let input = sp::GradedInput {
+        ewma: ps::ewma(seg, slot, now_s, cfg.ewma.ttl_s),
+        threshold: Some(threshold),
+        bucket,
+        hold: hold_cell.load(Relaxed) == 1,
+        warm_probes_used: ps::probes_used(seg, slot, now_s, cfg.probe_window_s),
+        t1_probes_used: if seg.route_cell(prio_slot, cell::T1_WIN).load(Relaxed) == t1_win {
+            seg.route_cell(prio_slot, cell::T1_USED).load(Relaxed)
+        } else {
+            0
+        },
+    };
+    let p = control::prio_state::graded_params(opts);
+    let g = match sig {
+        Signal::Ttft => sp::ttft_graded(&p, table, &input),
+        Signal::Tps => sp::tps_graded(&p, table, &input),
+    };
+    if sig == Signal::Ttft {
+        hold_cell.store(g.hold as u64, Relaxed);
+    }
+    match g.gate {
+        PrioGate::Pass => latency::Verdict::Pass,
+        PrioGate::Probe => {
+            ps::take_probe(seg, slot, now_s, cfg.probe_window_s);
+            latency::Verdict::Probe
+        }
+        PrioGate::T1Probe => {
+            control::prio_state::take_t1_probe(seg, prio_slot, now_s, cfg.probe_window_s);
+            latency::Verdict::Probe
+        }
+        PrioGate::Shed { ewma, limit, .. } => latency::Verdict::Shed {
+            ewma,
+            threshold: limit,
+        },
+    }
 }
 
 /// The usage of a JSON response body, from the last `"usage"` object in its tail.
