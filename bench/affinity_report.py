@@ -16,9 +16,10 @@ from datetime import datetime, timezone
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import machine_info, read, update_md  # noqa: E402
 
-PARTY_ORDER = ["wr-crc32", "wr-rendezvous", "wr-noid", "haproxy-sticky", "haproxy-rr"]
+PARTY_ORDER = ["wr-crc32", "wr-crc32-bounded", "wr-rendezvous", "wr-noid", "haproxy-sticky", "haproxy-rr"]
 PARTY_TITLES = {
     "wr-crc32": "warmroute crc32",
+    "wr-crc32-bounded": "warmroute crc32, affinity_overflow = bounded_load",
     "wr-rendezvous": "warmroute rendezvous",
     "wr-noid": "warmroute, no id (least conn)",
     "haproxy-sticky": "haproxy sticky (hdr, consistent)",

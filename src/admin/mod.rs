@@ -434,6 +434,7 @@ fn route_endpoint(
                 &loads,
                 route.cfg.opts.session_affinity.then_some(sid_bytes),
                 algo,
+                peer_select::Overflow::from_name(&route.cfg.opts.affinity_overflow),
                 ctx.random(),
             );
             let sid_hash = peer_select::fnv1a64(sid_bytes);
@@ -489,6 +490,7 @@ fn route_endpoint(
                 &loads,
                 sid.as_ref().map(|s| session_id::hash_bytes(&s.id)),
                 Affinity::from(route.cfg.opts.affinity_hash),
+                peer_select::Overflow::from_name(&route.cfg.opts.affinity_overflow),
                 ctx.random(),
             );
             let Some(i) = choice.index() else {

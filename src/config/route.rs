@@ -129,6 +129,8 @@ pub struct RouteOpts {
     pub session_affinity: bool,
     pub body_user_affinity: bool,
     pub affinity_hash: AffinityHash,
+    /// `at_max` or `bounded_load` (see the catalog).
+    pub affinity_overflow: String,
     pub cross_tier_fallback: bool,
     pub max_more_tries: u32,
     pub models: Vec<String>,
@@ -325,6 +327,7 @@ impl RouteOpts {
             session_affinity: false,
             body_user_affinity: false,
             affinity_hash: AffinityHash::Crc32Mod,
+            affinity_overflow: String::new(),
             cross_tier_fallback: false,
             max_more_tries: 0,
             models: Vec::new(),
@@ -414,6 +417,7 @@ impl RouteOpts {
                     _ => AffinityHash::Crc32Mod,
                 }
             }
+            "affinity_overflow" => self.affinity_overflow = v.string(),
             "cross_tier_fallback" => self.cross_tier_fallback = v.bool(),
             "max_more_tries" => self.max_more_tries = v.u32(),
             "models" => match read_models(&v, field, d) {
@@ -545,6 +549,7 @@ impl RouteOpts {
             "session_affinity" => json!(self.session_affinity),
             "body_user_affinity" => json!(self.body_user_affinity),
             "affinity_hash" => json!(self.affinity_hash.as_str()),
+            "affinity_overflow" => json!(self.affinity_overflow),
             "cross_tier_fallback" => json!(self.cross_tier_fallback),
             "max_more_tries" => json!(self.max_more_tries),
             "models" => json!(self.models),

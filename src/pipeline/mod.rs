@@ -496,6 +496,7 @@ async fn proxy(
         &loads,
         sid.as_ref().map(|s| session_id::hash_bytes(&s.id)),
         algo,
+        peer_select::Overflow::from_name(&opts.affinity_overflow),
         ctx.random(),
     );
     let Some(first) = choice.index() else {

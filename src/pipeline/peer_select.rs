@@ -162,16 +162,72 @@ pub fn natural_target(loads: &[Load], sid: &[u8], algo: Affinity) -> Option<usiz
     }
 }
 
+/// When a session's peer is busy, what makes it "full".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Overflow {
+    /// Full at its max_concurrency (SPEC §3.5).
+    AtMax,
+    /// Full only when also loaded more than `BOUNDED_LOAD_FACTOR` × the tier's average
+    /// (consistent hashing with bounded loads): a uniformly saturated pool keeps sessions
+    /// on their peers instead of re-prefilling them elsewhere.
+    BoundedLoad,
+}
+
+impl Overflow {
+    pub fn from_name(s: &str) -> Overflow {
+        if s == "bounded_load" {
+            Overflow::BoundedLoad
+        } else {
+            Overflow::AtMax
+        }
+    }
+}
+
+/// How far above the tier's average load a pinned peer may go under `BoundedLoad`.
+pub const BOUNDED_LOAD_FACTOR: f64 = 1.25;
+
+/// Whether the session's peer `t` takes the request.
+fn takes(loads: &[Load], t: usize, overflow: Overflow) -> bool {
+    let p = &loads[t];
+    if !p.healthy {
+        return false;
+    }
+    if p.inflight < p.max_concurrency as i64 {
+        return true;
+    }
+    match overflow {
+        Overflow::AtMax => false,
+        Overflow::BoundedLoad => {
+            let tier = loads
+                .iter()
+                .filter(|l| l.healthy && l.priority == p.priority);
+            let (inflight, cap) = tier.fold((0i64, 0u64), |(i, c), l| {
+                (i + l.inflight.max(0), c + l.max_concurrency as u64)
+            });
+            // Its share of the tier's load (this request included), allowed 25% over its
+            // share of the capacity.
+            let allowed = BOUNDED_LOAD_FACTOR * p.max_concurrency as f64 * (inflight + 1) as f64
+                / cap.max(1) as f64;
+            (p.inflight + 1) as f64 <= allowed.ceil()
+        }
+    }
+}
+
 /// Full selection for a request.
-pub fn select(loads: &[Load], sid: Option<&[u8]>, algo: Affinity, random: u64) -> PeerChoice {
+pub fn select(
+    loads: &[Load],
+    sid: Option<&[u8]>,
+    algo: Affinity,
+    overflow: Overflow,
+    random: u64,
+) -> PeerChoice {
     let Some(sid) = sid else {
         return least_conn(loads, random);
     };
     let Some(target) = natural_target(loads, sid, algo) else {
         return PeerChoice::NoHealthyPeer;
     };
-    let t = &loads[target];
-    if t.healthy && t.inflight < t.max_concurrency as i64 {
+    if takes(loads, target, overflow) {
         return PeerChoice::Hash(target);
     }
     match least_conn(loads, random) {
@@ -270,7 +326,13 @@ mod tests {
         for sid in ["a", "session-42", "conv-1", "ünïcode"] {
             let want = crc32fast::hash(sid.as_bytes()) as usize % 3;
             assert_eq!(
-                select(&loads, Some(sid.as_bytes()), Affinity::Crc32Mod, 7),
+                select(
+                    &loads,
+                    Some(sid.as_bytes()),
+                    Affinity::Crc32Mod,
+                    Overflow::AtMax,
+                    7
+                ),
                 PeerChoice::Hash(want)
             );
         }
@@ -283,11 +345,15 @@ mod tests {
             let sids: Vec<String> = (0..400).map(|i| format!("s{i}")).collect();
             let before: Vec<usize> = sids
                 .iter()
-                .map(|s| select(&loads, Some(s.as_bytes()), algo, 1).index().unwrap())
+                .map(|s| {
+                    select(&loads, Some(s.as_bytes()), algo, Overflow::AtMax, 1)
+                        .index()
+                        .unwrap()
+                })
                 .collect();
             loads[2].healthy = false;
             for (s, &b) in sids.iter().zip(&before) {
-                let c = select(&loads, Some(s.as_bytes()), algo, 1);
+                let c = select(&loads, Some(s.as_bytes()), algo, Overflow::AtMax, 1);
                 if b == 2 {
                     assert!(
                         matches!(c, PeerChoice::HashFallback(i) if i != 2),
@@ -341,12 +407,57 @@ mod tests {
     }
 
     #[test]
+    fn bounded_load_keeps_sessions_home_when_the_pool_is_evenly_busy() {
+        let mut loads = pool(3);
+        let sid = b"x";
+        let t = natural_target(&loads, sid, Affinity::Crc32Mod).unwrap();
+        // Everyone at max: bounded load stays home, at_max spills.
+        for l in &mut loads {
+            l.inflight = 10;
+        }
+        assert_eq!(
+            select(
+                &loads,
+                Some(sid),
+                Affinity::Crc32Mod,
+                Overflow::BoundedLoad,
+                1
+            ),
+            PeerChoice::Hash(t)
+        );
+        assert!(matches!(
+            select(&loads, Some(sid), Affinity::Crc32Mod, Overflow::AtMax, 1),
+            PeerChoice::HashFallback(_)
+        ));
+        // A hot spot: the pinned peer far above the others spills even under bounded load.
+        for (i, l) in loads.iter_mut().enumerate() {
+            l.inflight = if i == t { 20 } else { 2 };
+        }
+        assert!(
+            matches!(select(&loads, Some(sid), Affinity::Crc32Mod, Overflow::BoundedLoad, 1), PeerChoice::HashFallback(i) if i != t)
+        );
+        // Banned is banned either way.
+        loads[t].healthy = false;
+        loads[t].inflight = 0;
+        assert!(matches!(
+            select(
+                &loads,
+                Some(sid),
+                Affinity::Crc32Mod,
+                Overflow::BoundedLoad,
+                1
+            ),
+            PeerChoice::HashFallback(_)
+        ));
+    }
+
+    #[test]
     fn full_pinned_peer_falls_back() {
         let mut loads = pool(3);
         let sid = b"x";
         let t = natural_target(&loads, sid, Affinity::Crc32Mod).unwrap();
         loads[t].inflight = 10;
-        let c = select(&loads, Some(sid), Affinity::Crc32Mod, 3);
+        let c = select(&loads, Some(sid), Affinity::Crc32Mod, Overflow::AtMax, 3);
         assert!(matches!(c, PeerChoice::HashFallback(i) if i != t));
         assert_eq!(c.mode(), "hash_fallback");
     }
@@ -358,7 +469,13 @@ mod tests {
         loads[3].priority = -1;
         for i in 0..100 {
             let s = format!("s{i}");
-            let c = select(&loads, Some(s.as_bytes()), Affinity::Crc32Mod, 0);
+            let c = select(
+                &loads,
+                Some(s.as_bytes()),
+                Affinity::Crc32Mod,
+                Overflow::AtMax,
+                0,
+            );
             assert_eq!(
                 c,
                 PeerChoice::Hash(crc32fast::hash(s.as_bytes()) as usize % 2)
@@ -368,7 +485,13 @@ mod tests {
         loads[1].healthy = false;
         for i in 0..100 {
             let s = format!("s{i}");
-            let c = select(&loads, Some(s.as_bytes()), Affinity::Crc32Mod, 0);
+            let c = select(
+                &loads,
+                Some(s.as_bytes()),
+                Affinity::Crc32Mod,
+                Overflow::AtMax,
+                0,
+            );
             assert_eq!(
                 c,
                 PeerChoice::Hash(2 + crc32fast::hash(s.as_bytes()) as usize % 2),
