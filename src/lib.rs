@@ -22,6 +22,8 @@ pub mod rules;
 pub mod server;
 pub mod snapshot;
 pub mod status;
+#[cfg(test)]
+mod testutil;
 pub mod transform;
 pub mod upstream;
 pub mod util;

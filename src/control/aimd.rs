@@ -222,23 +222,7 @@ mod tests {
     use crate::control::session_prio::concurrency_admit;
     use crate::measure::{bucket, TPS_BOUNDS};
 
-    struct XorShift(u64);
-    impl XorShift {
-        fn new(seed: u64) -> Self {
-            XorShift(seed.max(1))
-        }
-        fn next(&mut self) -> u64 {
-            let mut x = self.0;
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            self.0 = x;
-            x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-        }
-        fn unit(&mut self) -> f64 {
-            (self.next() >> 11) as f64 / (1u64 << 53) as f64
-        }
-    }
+    use crate::testutil::XorShift;
 
     /// Notes §4.7: 4 peers × 20 at one priority, `adaptive_cc_init = 48`, reference defaults
     /// (the notes' defaults have hold-when-idle off).

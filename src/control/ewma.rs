@@ -396,24 +396,7 @@ mod tests {
     use crate::measure::{bucket, TPS_BOUNDS, TTFT_BOUNDS_MS};
 
     /// Tiny seeded PRNG (xorshift64*), so a failing run can be replayed from its seed.
-    struct XorShift(u64);
-    impl XorShift {
-        fn new(seed: u64) -> Self {
-            XorShift(seed.max(1))
-        }
-        fn next(&mut self) -> u64 {
-            let mut x = self.0;
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            self.0 = x;
-            x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-        }
-        /// Uniform in [0, 1).
-        fn unit(&mut self) -> f64 {
-            (self.next() >> 11) as f64 / (1u64 << 53) as f64
-        }
-    }
+    use crate::testutil::XorShift;
 
     fn hist(bounds: &[f64], samples: &[f64]) -> (Vec<u64>, f64, u64) {
         let mut c = vec![0u64; bounds.len() + 1];

@@ -404,23 +404,7 @@ mod tests {
     use super::*;
     use crate::control::ewma::{tps_gate, ttft_gate, Gate};
 
-    struct XorShift(u64);
-    impl XorShift {
-        fn new(seed: u64) -> Self {
-            XorShift(seed.max(1))
-        }
-        fn next(&mut self) -> u64 {
-            let mut x = self.0;
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            self.0 = x;
-            x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-        }
-        fn unit(&mut self) -> f64 {
-            (self.next() >> 11) as f64 / (1u64 << 53) as f64
-        }
-    }
+    use crate::testutil::XorShift;
 
     fn table() -> Vec<PrioBucket> {
         default_table(DEFAULT_R_NEW, DEFAULT_FULL_TURN)

@@ -988,20 +988,7 @@ mod tests {
         );
     }
 
-    struct XorShift(u64);
-    impl XorShift {
-        fn next(&mut self) -> u64 {
-            let mut x = self.0;
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            self.0 = x;
-            x
-        }
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n.max(1) as u64) as usize
-        }
-    }
+    use crate::testutil::XorShift;
 
     #[test]
     fn random_mutations_never_panic() {
@@ -1017,7 +1004,7 @@ mod tests {
             b"\r\n", b" ", b"1e999", b"-", b"null",
         ];
         let h = hdrs(&[]);
-        let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+        let mut rng = XorShift::new(0x9e37_79b9_7f4a_7c15);
         for i in 0..4000 {
             let mut b = seeds[i % seeds.len()].to_vec();
             for _ in 0..1 + rng.below(4) {
