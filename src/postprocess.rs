@@ -186,8 +186,14 @@ impl PostProcessor {
         if chunk.is_empty() {
             return;
         }
-        if self.held.len() + chunk.len() > SSE_LINE_BYTES_MAX {
-            // The line will exceed the cap whatever follows: it passes through unmodified.
+        // A line that will exceed the cap whatever follows passes through unmodified.
+        self.hold_or_pass(chunk, SSE_LINE_BYTES_MAX, out);
+    }
+
+    /// Hold `chunk` with what is already held, unless that would pass `cap`: then flush
+    /// everything held plus `chunk` unchanged and pass the rest of the body through.
+    fn hold_or_pass(&mut self, chunk: &[u8], cap: usize, out: &mut Vec<u8>) {
+        if self.held.len() + chunk.len() > cap {
             out.append(&mut self.held);
             out.extend_from_slice(chunk);
             self.held = Vec::new();
@@ -214,14 +220,7 @@ impl PostProcessor {
             out.extend_from_slice(chunk);
             return;
         }
-        if self.held.len() + chunk.len() > JSON_HOLD_BYTES_MAX {
-            out.append(&mut self.held);
-            out.extend_from_slice(chunk);
-            self.held = Vec::new();
-            self.passthrough = true;
-        } else {
-            self.held.extend_from_slice(chunk);
-        }
+        self.hold_or_pass(chunk, JSON_HOLD_BYTES_MAX, out);
     }
 
     fn json_body(&mut self, body: &[u8], out: &mut Vec<u8>) {

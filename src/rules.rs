@@ -245,7 +245,7 @@ pub fn compile_report(list: &[toml::Value]) -> (RuleSet, Vec<RuleError>) {
                 dropped: true,
                 message: format!(
                     "rule {default_name:?} dropped: expected a table, found {}",
-                    toml_type(item)
+                    crate::config::toml_type_name(item)
                 ),
             });
             continue;
@@ -323,7 +323,10 @@ fn compile_node(v: &toml::Value, at: &str) -> Result<Node, String> {
         }
     };
     let Some(t) = v.as_table() else {
-        return Err(here(format!("expected a table, found {}", toml_type(v))));
+        return Err(here(format!(
+            "expected a table, found {}",
+            crate::config::toml_type_name(v)
+        )));
     };
     // `all` wins over `any`, and a group over leaf keys (as the reference).
     for (key, all) in [("all", true), ("any", false)] {
@@ -333,7 +336,7 @@ fn compile_node(v: &toml::Value, at: &str) -> Result<Node, String> {
         let Some(children) = children.as_array() else {
             return Err(here(format!(
                 "{key} must be a list of conditions, found {}",
-                toml_type(children)
+                crate::config::toml_type_name(children)
             )));
         };
         if children.is_empty() {
@@ -444,18 +447,6 @@ fn toml_to_json(v: &toml::Value) -> Result<Json, String> {
                 .collect::<Result<_, String>>()?,
         ),
     })
-}
-
-fn toml_type(v: &toml::Value) -> &'static str {
-    match v {
-        toml::Value::String(_) => "a string",
-        toml::Value::Integer(_) => "an integer",
-        toml::Value::Float(_) => "a float",
-        toml::Value::Boolean(_) => "a boolean",
-        toml::Value::Datetime(_) => "a datetime",
-        toml::Value::Array(_) => "an array",
-        toml::Value::Table(_) => "a table",
-    }
 }
 
 fn json_type(v: &Json) -> &'static str {

@@ -17,6 +17,8 @@ mod route;
 mod server;
 mod value;
 
+pub(crate) use value::type_name as toml_type_name;
+
 #[cfg(test)]
 mod tests;
 
