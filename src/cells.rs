@@ -28,6 +28,13 @@ pub mod peer {
     pub const COMPLETION_TOKENS: usize = 10;
     /// 2xx responses that reported usage.
     pub const USAGE_RESPONSES: usize = 11;
+    /// Per-peer EWMAs (f64 bits, updated per sample by a CAS loop) and when each was last
+    /// updated (s): TTFT in ms, decode rate in tokens/s. For status and metrics only; the
+    /// gates use the pool's windowed EWMA.
+    pub const TTFT_EWMA_BITS: usize = 12;
+    pub const TTFT_EWMA_AT_S: usize = 13;
+    pub const TPS_EWMA_BITS: usize = 14;
+    pub const TPS_EWMA_AT_S: usize = 15;
 }
 
 /// Per-route cells.

@@ -62,6 +62,55 @@ pub fn record(seg: &warmroute_shm::Segment, slot: warmroute_shm::RouteSlot, h: H
     seg.route_cell(slot, h.count_cell()).fetch_add(1, Relaxed);
 }
 
+/// Fold a sample into a per-peer EWMA cell pair (value bits, time); lock-free (CAS loop),
+/// any worker may update it. A value older than `ttl_s` restarts from the sample.
+pub fn peer_ewma_update(
+    seg: &warmroute_shm::Segment,
+    slot: warmroute_shm::PeerSlot,
+    cells: (usize, usize),
+    v: f64,
+    alpha: f64,
+    now_s: u64,
+    ttl_s: u64,
+) {
+    if !v.is_finite() {
+        return;
+    }
+    let at = seg.peer_cell(slot, cells.1);
+    let fresh = now_s.saturating_sub(at.load(Relaxed)) > ttl_s;
+    let _ = seg
+        .peer_cell(slot, cells.0)
+        .fetch_update(Relaxed, Relaxed, |bits| {
+            let old = f64::from_bits(bits);
+            Some(
+                if fresh || !old.is_finite() {
+                    v
+                } else {
+                    alpha * v + (1.0 - alpha) * old
+                }
+                .to_bits(),
+            )
+        });
+    at.store(now_s.max(1), Relaxed);
+}
+
+/// A per-peer EWMA, when updated within `ttl_s`.
+pub fn peer_ewma(
+    seg: &warmroute_shm::Segment,
+    slot: warmroute_shm::PeerSlot,
+    cells: (usize, usize),
+    now_s: u64,
+    ttl_s: u64,
+) -> Option<f64> {
+    let at = seg.peer_cell(slot, cells.1).load(Relaxed);
+    (at != 0 && now_s.saturating_sub(at) <= ttl_s)
+        .then(|| f64::from_bits(seg.peer_cell(slot, cells.0).load(Relaxed)))
+}
+
+/// The TTFT and decode-rate cell pairs of a peer.
+pub const PEER_TTFT: (usize, usize) = (cells::peer::TTFT_EWMA_BITS, cells::peer::TTFT_EWMA_AT_S);
+pub const PEER_TPS: (usize, usize) = (cells::peer::TPS_EWMA_BITS, cells::peer::TPS_EWMA_AT_S);
+
 /// The decode rate of a response, when it qualifies as a sample.
 pub fn decode_rate(
     completion_tokens: u64,

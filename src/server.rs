@@ -126,6 +126,10 @@ fn load_keys(config: &Config) -> KeyFile {
             path,
             "API key file is present but unreadable: authentication is OFF (fail-open)"
         ),
+        KeyFileStatus::Unset => tracing::warn!(
+            path,
+            "no API key file configured: routes without their own api_keys accept every request"
+        ),
         status => tracing::error!(
             path,
             status = status.as_str(),

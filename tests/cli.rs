@@ -272,9 +272,11 @@ fn sighup_reloads_routes_and_keeps_the_old_config_on_errors() {
     assert_eq!(request(p.public, &get("/b/v1/models")).status, 404);
     std::fs::write(d.0.join("routes/b.toml"), route_for(&[m.addr()], "")).unwrap();
     p.signal("HUP");
-    eventually(Duration::from_secs(5), "route b served", || {
-        request(p.public, &get("/b/v1/models")).status == 200
-    });
+    eventually(
+        Duration::from_secs(5),
+        "route b served by every worker",
+        || (0..4).all(|_| request(p.public, &get("/b/v1/models")).status == 200),
+    );
     // A broken file: the reload is refused, both routes keep working.
     std::fs::write(d.0.join("routes/c.toml"), "peers = 7\n").unwrap();
     p.signal("HUP");
@@ -505,16 +507,25 @@ fn route_files_and_a_swapped_key_secret_are_picked_up_without_a_signal() {
     );
     assert_eq!(chat_with_key(&p, "a", "k1", "").status, 200);
     std::fs::write(d.0.join("routes/b.toml"), route_for(&[m.addr()], "")).unwrap();
-    eventually(Duration::from_secs(6), "new route served", || {
-        chat_with_key(&p, "b", "k1", "").status == 200
-    });
+    eventually(
+        Duration::from_secs(6),
+        "new route served by every worker",
+        || (0..4).all(|_| chat_with_key(&p, "b", "k1", "").status == 200),
+    );
     // Swap the secret atomically, as the kubelet does.
     std::fs::create_dir_all(sec.join("v2")).unwrap();
     std::fs::write(sec.join("v2/keys"), "k2:two").unwrap();
     std::os::unix::fs::symlink("v2", sec.join("..data_tmp")).unwrap();
     std::fs::rename(sec.join("..data_tmp"), sec.join("..data")).unwrap();
-    eventually(Duration::from_secs(6), "swapped key accepted", || {
-        chat_with_key(&p, "a", "k2", "").status == 200
-    });
-    assert_eq!(chat_with_key(&p, "a", "k1", "").status, 401);
+    // Every worker picks the new snapshot up on its next tick: wait until all have.
+    eventually(
+        Duration::from_secs(6),
+        "swapped key accepted, old one refused",
+        || {
+            (0..4).all(|_| {
+                chat_with_key(&p, "a", "k2", "").status == 200
+                    && chat_with_key(&p, "a", "k1", "").status == 401
+            })
+        },
+    );
 }

@@ -295,5 +295,17 @@ fn ttft_and_decode_rate_histograms_and_tokens() {
         val(&s, r#"warmroute_prompt_tokens_total{route="r"}"#),
         m.stats().prompt_tokens as f64
     );
+    // Per-peer EWMAs: both samples on the one peer, ~0.3 s TTFT, ~35 tokens/s.
+    let peer_series = |name: &str| {
+        s.iter()
+            .find(|(k, _)| k.starts_with(&format!("{name}{{")))
+            .map(|(_, v)| *v)
+            .unwrap_or_else(|| panic!("no {name}"))
+    };
+    assert!((0.25..1.0).contains(&peer_series("warmroute_peer_ttft_ewma_seconds")));
+    assert!((20.0..50.0).contains(&peer_series("warmroute_peer_decode_rate_ewma")));
+    assert!(s
+        .keys()
+        .any(|k| k.starts_with("warmroute_pool_effective_limit{")));
     promtool_check(&text);
 }

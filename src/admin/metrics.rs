@@ -85,7 +85,99 @@ const FAMILIES: &[Family] = &[
     route_bodylog_dropped,
     route_ttft_histogram,
     route_decode_rate_histogram,
+    pool_ttft_ewma,
+    pool_decode_rate_ewma,
+    pool_effective_limit,
+    peer_ttft_ewma,
+    peer_decode_rate_ewma,
 ];
+
+fn pool_signal_ewma(
+    x: &mut Exposition,
+    s: &Sources,
+    name: &'static str,
+    help: &str,
+    sig: crate::control::latency::Signal,
+    scale: f64,
+) {
+    let mut f = x.family(name, Kind::Gauge, help);
+    let now_s = s.now_ms / 1000;
+    for p in &s.pools {
+        if let Some(v) =
+            crate::control::latency::current_ewma(&p.route.cfg.opts, sig, p.rt, s.seg, now_s)
+        {
+            f.sample(&p.labels, v * scale);
+        }
+    }
+}
+
+fn pool_ttft_ewma(x: &mut Exposition, s: &Sources) {
+    pool_signal_ewma(
+        x,
+        s,
+        "warmroute_pool_ttft_ewma_seconds",
+        "The pool's TTFT EWMA (the windowed quantile the TTFT gate compares with its threshold).",
+        crate::control::latency::Signal::Ttft,
+        0.001,
+    );
+}
+
+fn pool_decode_rate_ewma(x: &mut Exposition, s: &Sources) {
+    pool_signal_ewma(x, s, "warmroute_pool_decode_rate_ewma", "The pool's decode-rate EWMA in tokens per second (the low tail the TPS gate and adaptive concurrency use).", crate::control::latency::Signal::Tps, 1.0);
+}
+
+fn pool_effective_limit(x: &mut Exposition, s: &Sources) {
+    let mut f = x.family("warmroute_pool_effective_limit", Kind::Gauge, "The concurrency limit the gate applies: the adaptive limit (within the healthy capacity) when adaptive concurrency is on, else the healthy capacity.");
+    let now_s = s.now_ms / 1000;
+    for p in &s.pools {
+        let cap = admission::figures(&p.loads, 1.0).map_or(0.0, |fig| fig.limit);
+        f.sample(
+            &p.labels,
+            crate::control::latency::concurrency_limit(&p.route.cfg.opts, p.rt, s.seg, now_s, cap),
+        );
+    }
+}
+
+fn peer_ttft_ewma(x: &mut Exposition, s: &Sources) {
+    let now_s = s.now_ms / 1000;
+    peer_family(
+        x,
+        s,
+        "warmroute_peer_ttft_ewma_seconds",
+        Kind::Gauge,
+        "Per-peer TTFT EWMA (per sample), for comparing peers.",
+        |p| {
+            crate::measure::peer_ewma(
+                s.seg,
+                p.slot,
+                crate::measure::PEER_TTFT,
+                now_s,
+                crate::control::ewma::DEFAULT_TTL_S,
+            )
+            .map(|v| v / 1000.0)
+        },
+    );
+}
+
+fn peer_decode_rate_ewma(x: &mut Exposition, s: &Sources) {
+    let now_s = s.now_ms / 1000;
+    peer_family(
+        x,
+        s,
+        "warmroute_peer_decode_rate_ewma",
+        Kind::Gauge,
+        "Per-peer decode-rate EWMA in tokens per second (per sample).",
+        |p| {
+            crate::measure::peer_ewma(
+                s.seg,
+                p.slot,
+                crate::measure::PEER_TPS,
+                now_s,
+                crate::control::ewma::DEFAULT_TTL_S,
+            )
+        },
+    );
+}
 
 // ---------------------------------------------------------------------------------------
 // Families: tokens, body log, latency histograms.
@@ -199,9 +291,11 @@ pub struct RouteView<'a> {
 }
 
 /// A pool with its labels (`route`, `model`) and its peers' loads read once.
-pub struct PoolView {
+pub struct PoolView<'a> {
     pub loads: Vec<Load>,
     pub labels: Labels,
+    pub rt: &'a crate::snapshot::PoolRt,
+    pub route: &'a RouteRt,
 }
 
 /// A peer with its labels (`route`, `model`, `peer`, `addr`, `priority`). A slot appears
@@ -222,7 +316,7 @@ pub struct Sources<'a> {
     pub worker: usize,
     pub access_log_dropped: u64,
     pub routes: Vec<RouteView<'a>>,
-    pub pools: Vec<PoolView>,
+    pub pools: Vec<PoolView<'a>>,
     pub peers: Vec<PeerView<'a>>,
 }
 
@@ -263,6 +357,8 @@ impl<'a> Sources<'a> {
                 pools.push(PoolView {
                     loads: p.loads(seg, now_ms),
                     labels: pool_labels,
+                    rt: p,
+                    route: r,
                 });
             }
         }

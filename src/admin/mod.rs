@@ -331,6 +331,8 @@ fn route_endpoint(
                         "bans": cell(cells::peer::BANS),
                         "unbans": cell(cells::peer::UNBANS),
                         "probes": cell(cells::peer::PROBES),
+                        "ttft_ewma_ms": crate::measure::peer_ewma(seg, p.slot, crate::measure::PEER_TTFT, now / 1000, route.cfg.opts.ttft_ttl),
+                        "tps_ewma": crate::measure::peer_ewma(seg, p.slot, crate::measure::PEER_TPS, now / 1000, route.cfg.opts.tps_ttl),
                         "last_probe": (probe_at > 0).then(|| json!({
                             "ago_ms": now.saturating_sub(probe_at),
                             "latency_ms": cell(cells::peer::PROBE_LATENCY_US) as f64 / 1000.0,

@@ -777,6 +777,15 @@ async fn proxy(
                             end_s,
                             opts.ttft_window,
                         );
+                        crate::measure::peer_ewma_update(
+                            seg,
+                            routed.peer.slot,
+                            crate::measure::PEER_TTFT,
+                            ms,
+                            opts.ttft_ewma_alpha,
+                            end_s,
+                            opts.ttft_ttl,
+                        );
                     }
                     let tokens = stats.usage.and_then(|u| u.completion_tokens).unwrap_or(0);
                     let secs = match (sse, first, stats.last_body_at) {
@@ -797,6 +806,15 @@ async fn proxy(
                             rate,
                             end_s,
                             opts.tps_window,
+                        );
+                        crate::measure::peer_ewma_update(
+                            seg,
+                            routed.peer.slot,
+                            crate::measure::PEER_TPS,
+                            rate,
+                            opts.tps_ewma_alpha,
+                            end_s,
+                            opts.tps_ttl,
                         );
                     }
                 }
