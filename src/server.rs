@@ -112,6 +112,36 @@ fn segment_capacities() -> Capacities {
     }
 }
 
+/// `--takeover`: once this process's workers accept on the shared ports, ask every other
+/// live process with rows in the segment (the router being replaced) to drain. Its
+/// listeners close, in-flight requests and streams finish, and new connections land here.
+fn retire_previous(workers: &Workers, seg: &Segment) {
+    let t0 = std::time::Instant::now();
+    while !workers.shared.ready() && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let me = std::process::id();
+    let mut pids: Vec<u32> = seg
+        .workers()
+        .into_iter()
+        .map(|(_, pid, _, _)| pid)
+        .filter(|&p| p != me && warmroute_shm::pid_alive(p))
+        .collect();
+    pids.sort_unstable();
+    pids.dedup();
+    if pids.is_empty() {
+        tracing::info!("takeover: no previous router found in the shared segment");
+    }
+    for pid in pids {
+        match warmroute_shm::signal_drain(pid) {
+            Ok(()) => tracing::info!(pid, "takeover: asked the previous router to drain"),
+            Err(e) => {
+                tracing::error!(pid, error = %e, "takeover: could not signal the previous router")
+            }
+        }
+    }
+}
+
 /// Load the key file, logging when authentication is off (fail-open).
 fn load_keys(config: &Config) -> KeyFile {
     let kf = load_key_file(config.server.api_keys_file.as_deref());
@@ -181,6 +211,9 @@ impl Router {
                 .unwrap_or(AccessLogTarget::Stderr),
         };
         let workers = Workers::start(opts, snapshot, seg.clone()).map_err(StartError::Io)?;
+        if overrides.takeover {
+            retire_previous(&workers, &seg);
+        }
         tracing::info!(
             public = %workers.shared.public_addr,
             admin = %workers.shared.admin_addr,

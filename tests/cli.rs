@@ -529,3 +529,83 @@ fn route_files_and_a_swapped_key_secret_are_picked_up_without_a_signal() {
         },
     );
 }
+
+#[test]
+fn takeover_replaces_a_running_router_without_failing_a_request() {
+    let d = temp_dir("takeover");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let mut old = start_serve(&d.0);
+    let public = old.public;
+    // A long stream through the old router, and steady traffic on new connections.
+    let mut s = connect(public);
+    s.write_all(&post_json(
+        "/a/v1/chat/completions",
+        &chat_body("x", true),
+        "x-mock-tokens: 10\r\nx-mock-interval-ms: 150\r\n",
+    ))
+    .unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let loader = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let (mut ok, mut failed) = (0u32, Vec::new());
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match try_request(
+                    public,
+                    &post_json("/a/v1/chat/completions", &chat_body("y", false), ""),
+                ) {
+                    Ok(r) if r.status == 200 => ok += 1,
+                    other => failed.push(format!("{other:?}")),
+                }
+            }
+            (ok, failed)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    // The new router on the same config (ports and segment), with --takeover.
+    let child = spawn_serve(&d.0.join("warmroute.toml"), &["--takeover"]);
+    let new = Proc {
+        child,
+        public,
+        admin: old.admin,
+        shm: old.shm.clone(),
+    };
+    let status = old
+        .wait_exit(Duration::from_secs(15))
+        .expect("the old router drains and exits");
+    assert!(status.success());
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (ok, failed) = loader.join().unwrap();
+    // Without net.ipv4.tcp_migrate_req the kernel resets a connection that reaches the old
+    // listener in the instant between its last accept and its close; that (at most one
+    // reset) is the only failure tolerated here.
+    let resets = failed
+        .iter()
+        .filter(|f| f.contains("ConnectionReset"))
+        .count();
+    assert!(
+        failed.len() == resets && resets <= 1,
+        "{} failed of {}: {:?}",
+        failed.len(),
+        ok as usize + failed.len(),
+        &failed[..failed.len().min(3)]
+    );
+    assert!(ok > 20, "traffic flowed throughout: {ok}");
+    let resp = read_response(&mut BufReader::new(s), false).unwrap();
+    assert!(
+        resp.text().contains("[DONE]"),
+        "the old router's stream finished during its drain"
+    );
+    // The new one serves on its own now.
+    assert_eq!(
+        request(
+            new.public,
+            &post_json("/a/v1/chat/completions", &chat_body("z", false), "")
+        )
+        .status,
+        200
+    );
+    assert_eq!(request(new.admin, &get("/readyz")).status, 200);
+}

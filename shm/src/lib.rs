@@ -1079,5 +1079,26 @@ pub fn pid_alive(pid: u32) -> bool {
     r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
+/// Ask another process to drain: send it SIGQUIT (used by `--takeover` to retire the router
+/// it replaces). Pid 0, negative and this process's own pid are refused.
+pub fn signal_drain(pid: u32) -> io::Result<()> {
+    let p = libc::pid_t::try_from(pid)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "pid out of range"))?;
+    if p <= 0 || pid == std::process::id() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "refusing to signal this pid",
+        ));
+    }
+    // SAFETY: kill takes plain integers; SIGQUIT goes to exactly one positive pid (never a
+    // process group, never this process), and no memory is passed.
+    let r = unsafe { libc::kill(p, libc::SIGQUIT) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 #[cfg(test)]
 mod tests;

@@ -615,3 +615,19 @@ fn concurrent_open_initialises_once() {
     let x = s.find_peer_slot("x").unwrap();
     assert_eq!(s.peer_cell(x, 0).load(Ordering::Relaxed), 8);
 }
+
+#[test]
+fn signal_drain_refuses_bad_pids_and_signals_a_child() {
+    assert!(signal_drain(0).is_err());
+    assert!(signal_drain(std::process::id()).is_err());
+    assert!(signal_drain(u32::MAX).is_err());
+    // A child that exits on SIGQUIT's default action: signalled, it dies by that signal.
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    signal_drain(child.id()).unwrap();
+    let status = child.wait().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGQUIT));
+}

@@ -60,7 +60,7 @@ impl ClientConn {
         &mut self,
         idle: Duration,
         head_timeout: Duration,
-        drain: &crate::worker::LocalNotify,
+        drain: Option<&crate::worker::LocalNotify>,
     ) -> HeadRead {
         let mut started = !self.inbuf.is_empty();
         let mut deadline = None;
@@ -83,14 +83,13 @@ impl ClientConn {
                 idle
             };
             let read = monoio::time::timeout(wait, self.fill());
-            let r = if started {
-                read.await
-            } else {
+            let r = match drain {
                 // Between requests a draining worker closes idle connections at once.
-                match crate::util::race(read, drain.wait()).await {
+                Some(drain) if !started => match crate::util::race(read, drain.wait()).await {
                     crate::util::Either::Left(r) => r,
                     crate::util::Either::Right(()) => return HeadRead::Closed,
-                }
+                },
+                _ => read.await,
             };
             match r {
                 Err(_elapsed) if started => return HeadRead::Refuse(ProxyError::HeadTimeout),

@@ -50,6 +50,8 @@ use session_id::{BodyFields, SidOptions};
 
 /// Largest body accepted on debug and admin endpoints.
 const ENDPOINT_BODY_BYTES_MAX: u64 = 1024 * 1024;
+/// How long a connection accepted while draining may take to send its first request.
+const DRAIN_FIRST_REQUEST_WAIT: Duration = Duration::from_secs(2);
 /// Read timeout for each piece of a request body.
 const BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -86,6 +88,7 @@ pub async fn serve_client(ctx: Rc<WorkerCtx>, stream: TcpStream, addr: SocketAdd
     ctx.active_conns.set(ctx.active_conns.get() + 1);
     let _count = ConnCount(ctx.clone());
     let (rd, wr) = stream.into_split();
+    let mut served = 0u32;
     let mut conn = ClientConn {
         rd,
         wr,
@@ -102,7 +105,21 @@ pub async fn serve_client(ctx: Rc<WorkerCtx>, stream: TcpStream, addr: SocketAdd
                 Duration::from_millis(s.client_head_timeout_ms),
             )
         };
-        match conn.read_head(idle, head_timeout, &ctx.drain).await {
+        // A connection's first request is always awaited, even while draining (the client
+        // connected expecting an answer; a drain may have accepted it from the queue), but
+        // briefly; later idle waits end at once when the worker drains.
+        let first = served == 0;
+        let draining = ctx.drain.is_fired();
+        let idle = if first && draining {
+            idle.min(DRAIN_FIRST_REQUEST_WAIT)
+        } else {
+            idle
+        };
+        served += 1;
+        match conn
+            .read_head(idle, head_timeout, (!first).then_some(&ctx.drain))
+            .await
+        {
             HeadRead::Closed => return,
             HeadRead::Refuse(e) => {
                 let resp = json_response(e.status(), &e.body(None), e.headers(), true);

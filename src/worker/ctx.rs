@@ -31,6 +31,8 @@ pub struct WorkerCtx {
     pub upstreams: RefCell<UpstreamPool>,
     pub drain: LocalNotify,
     pub active_conns: Cell<usize>,
+    /// Listeners still accepting (a draining worker finishes only when they have closed).
+    pub accepting: Cell<usize>,
     rng: Cell<u64>,
     pub driver: &'static str,
     pub access_log: RefCell<AccessLog>,
@@ -81,6 +83,7 @@ impl WorkerCtx {
             upstreams: RefCell::new(pool),
             drain: LocalNotify::default(),
             active_conns: Cell::new(0),
+            accepting: Cell::new(0),
             rng: Cell::new(seed | 1),
             driver,
             access_log: RefCell::new(AccessLog::open(log)),

@@ -245,7 +245,7 @@ fn worker_main(
                     tracing::info!(worker = idx, conns = ctx.active_conns.get(), "draining");
                 }
                 let deadline = shared.drain_deadline_ms.load(Ordering::Acquire);
-                if ctx.active_conns.get() == 0 || now >= deadline {
+                if (ctx.active_conns.get() == 0 && ctx.accepting.get() == 0) || now >= deadline {
                     break;
                 }
             }
@@ -288,17 +288,28 @@ fn build_runtime(uring: bool) -> std::io::Result<Runtime> {
 }
 
 async fn accept_loop(ctx: Rc<WorkerCtx>, listener: monoio::net::TcpListener, kind: PortKind) {
+    ctx.accepting.set(ctx.accepting.get() + 1);
     loop {
         let accepted = match race(listener.accept(), ctx.drain.wait()).await {
             Either::Left(r) => r,
-            Either::Right(()) => return,
+            Either::Right(()) => {
+                // Closing a SO_REUSEPORT listener resets the connections already queued on
+                // it: take those first (until the queue stays empty for a moment), so a
+                // drain — a takeover in particular — loses no client that already connected.
+                let until = monoio::time::Instant::now() + DRAIN_ACCEPT_MAX;
+                while monoio::time::Instant::now() < until {
+                    match monoio::time::timeout(DRAIN_ACCEPT_QUIET, listener.accept()).await {
+                        Ok(Ok((stream, addr))) => serve(&ctx, stream, addr, kind),
+                        _ => break,
+                    }
+                }
+                drop(listener);
+                ctx.accepting.set(ctx.accepting.get() - 1);
+                return;
+            }
         };
         match accepted {
-            Ok((stream, addr)) => {
-                let _ = stream.set_nodelay(true);
-                let c = ctx.clone();
-                monoio::spawn(crate::pipeline::serve_client(c, stream, addr, kind));
-            }
+            Ok((stream, addr)) => serve(&ctx, stream, addr, kind),
             Err(e) => {
                 // EMFILE and friends: back off instead of spinning on the error.
                 tracing::warn!(worker = ctx.index, error = %e, "accept failed");
@@ -306,4 +317,27 @@ async fn accept_loop(ctx: Rc<WorkerCtx>, listener: monoio::net::TcpListener, kin
             }
         }
     }
+}
+
+/// How long a draining listener must see no new connection before it closes, and the
+/// most it keeps accepting (under steady traffic the queue never stays empty). A
+/// connection that arrives between the last accept and the close is reset by the kernel
+/// unless `net.ipv4.tcp_migrate_req = 1` (Linux 5.14+), which moves it to another
+/// listener of the port — the new router's in a takeover.
+const DRAIN_ACCEPT_QUIET: Duration = Duration::from_millis(100);
+const DRAIN_ACCEPT_MAX: Duration = Duration::from_millis(500);
+
+fn serve(
+    ctx: &Rc<WorkerCtx>,
+    stream: monoio::net::TcpStream,
+    addr: std::net::SocketAddr,
+    kind: PortKind,
+) {
+    let _ = stream.set_nodelay(true);
+    monoio::spawn(crate::pipeline::serve_client(
+        ctx.clone(),
+        stream,
+        addr,
+        kind,
+    ));
 }
