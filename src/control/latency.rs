@@ -139,6 +139,41 @@ pub fn current_ewma(
     ps::ewma(seg, sig.slot(pool), now_s, signal_cfg(opts, sig).ewma.ttl_s)
 }
 
+/// Record one sample of a signal everywhere it is kept: the route's histogram, the pool's
+/// window (which feeds the EWMA the gates use) and the peer's per-sample EWMA.
+#[allow(clippy::too_many_arguments)]
+pub fn record_sample(
+    seg: &Segment,
+    opts: &RouteOpts,
+    route_slot: warmroute_shm::RouteSlot,
+    pool: &PoolRt,
+    peer_slot: warmroute_shm::PeerSlot,
+    sig: Signal,
+    v: f64,
+    now_s: u64,
+) {
+    use crate::measure;
+    let (hist, peer_cells, window, alpha, ttl) = match sig {
+        Signal::Ttft => (
+            measure::TTFT,
+            measure::PEER_TTFT,
+            opts.ttft_window,
+            opts.ttft_ewma_alpha,
+            opts.ttft_ttl,
+        ),
+        Signal::Tps => (
+            measure::TPS,
+            measure::PEER_TPS,
+            opts.tps_window,
+            opts.tps_ewma_alpha,
+            opts.tps_ttl,
+        ),
+    };
+    measure::record(seg, route_slot, hist, v);
+    ps::record(seg, sig.slot(pool), sig.bounds(), v, now_s, window);
+    measure::peer_ewma_update(seg, peer_slot, peer_cells, v, alpha, now_s, ttl);
+}
+
 /// A request's verdict at one latency gate.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Verdict {

@@ -785,23 +785,15 @@ async fn proxy(
                     let end_s = warmroute_shm::now_ms() / 1000;
                     if let (true, Some(f)) = (sse, first) {
                         let ms = f.duration_since(body_read_at).as_secs_f64() * 1000.0;
-                        crate::measure::record(seg, route.slot, crate::measure::TTFT, ms);
-                        control::pool_state::record(
+                        latency::record_sample(
                             seg,
-                            pool.slots.ttft,
-                            &crate::measure::TTFT_BOUNDS_MS,
-                            ms,
-                            end_s,
-                            opts.ttft_window,
-                        );
-                        crate::measure::peer_ewma_update(
-                            seg,
+                            opts,
+                            route.slot,
+                            pool,
                             routed.peer.slot,
-                            crate::measure::PEER_TTFT,
+                            Signal::Ttft,
                             ms,
-                            opts.ttft_ewma_alpha,
                             end_s,
-                            opts.ttft_ttl,
                         );
                     }
                     let tokens = stats.usage.and_then(|u| u.completion_tokens).unwrap_or(0);
@@ -815,23 +807,15 @@ async fn proxy(
                         opts.tps_min_tokens,
                         opts.tps_min_decode_s,
                     ) {
-                        crate::measure::record(seg, route.slot, crate::measure::TPS, rate);
-                        control::pool_state::record(
+                        latency::record_sample(
                             seg,
-                            pool.slots.tps,
-                            &crate::measure::TPS_BOUNDS,
-                            rate,
-                            end_s,
-                            opts.tps_window,
-                        );
-                        crate::measure::peer_ewma_update(
-                            seg,
+                            opts,
+                            route.slot,
+                            pool,
                             routed.peer.slot,
-                            crate::measure::PEER_TPS,
+                            Signal::Tps,
                             rate,
-                            opts.tps_ewma_alpha,
                             end_s,
-                            opts.tps_ttl,
                         );
                     }
                 }
