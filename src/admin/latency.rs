@@ -52,7 +52,8 @@ fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
             let pr = latency::aimd_params(opts);
             let smax = latency::static_max(p);
             let cur = latency::aimd_current(opts, p, seg, now_s);
-            let conc = ps::ctl_cell(seg, p.slots.ctl, ctl::CONC).load(Relaxed) as f64;
+            // The same live value the controller's tick uses.
+            let conc = latency::pool_inflight(p, seg) as f64;
             let (at_pressure, at_slack) = aimd::predict(
                 &pr,
                 cur.unwrap_or_else(|| aimd::start(&pr, smax)),
@@ -209,7 +210,7 @@ pub fn handle(
                 .iter()
                 .map(|p| {
                     let (avg, samples) = latency::cluster_avg(p, seg, now_s);
-                    let realtime: i64 = p.peers.iter().map(|x| seg.inflight(x.slot)).sum();
+                    let realtime = latency::pool_inflight(p, seg);
                     (
                         pool_key(p),
                         json!({"realtime_sum": realtime, "avg_5min": avg, "samples": samples}),

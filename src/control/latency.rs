@@ -307,12 +307,7 @@ pub fn tick(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) {
             current: aimd_current(opts, pool, seg, now_s),
             // The pool's live in-flight at this tick (the segment has it exactly; zero when
             // idle, which is what lets hold_when_idle hold).
-            concurrency: pool
-                .peers
-                .iter()
-                .map(|p| seg.inflight(p.slot))
-                .sum::<i64>()
-                .max(0) as f64,
+            concurrency: pool_inflight(pool, seg) as f64,
             rejected_since_last: c(ctl::REJ).load(Relaxed),
             tps_ewma: current_ewma(opts, Signal::Tps, pool, seg, now_s),
             tps_threshold: threshold(opts, Signal::Tps, pool, seg, now_s).map(|t| t.0),
@@ -328,10 +323,18 @@ pub fn tick(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) {
     let stamp = now_s / CLUSTER_AVG_INTERVAL_S;
     let idx = (stamp % CLUSTER_AVG_SAMPLES) as usize;
     if c(ctl::CLUSTER_STAMP + idx).load(Relaxed) != stamp {
-        let inflight: i64 = pool.peers.iter().map(|p| seg.inflight(p.slot)).sum();
-        c(ctl::CLUSTER_BUCKETS + idx).store(inflight.max(0) as u64 + 1, Relaxed);
+        c(ctl::CLUSTER_BUCKETS + idx).store(pool_inflight(pool, seg) + 1, Relaxed);
         c(ctl::CLUSTER_STAMP + idx).store(stamp, Relaxed);
     }
+}
+
+/// The pool's in-flight requests now, summed over its peers and all workers.
+pub fn pool_inflight(pool: &PoolRt, seg: &Segment) -> u64 {
+    pool.peers
+        .iter()
+        .map(|p| seg.inflight(p.slot))
+        .sum::<i64>()
+        .max(0) as u64
 }
 
 /// The cluster average: mean of the samples of the last five minutes (SPEC §5.5).

@@ -43,8 +43,6 @@ pub mod ctl {
     pub const AIMD_AT_S: usize = 1;
     /// Concurrency 429s since the last AIMD tick (read and cleared by the tick).
     pub const REJ: usize = 2;
-    /// The pool in-flight the last request saw (the AIMD's "conc").
-    pub const CONC: usize = 3;
     /// Rate-limit master switch override: 0 = none, 1 = on, 2 = off.
     pub const RATE_LIMIT: usize = 4;
     /// Concurrency-gate trips while the master switch was off.
