@@ -67,6 +67,9 @@ pub struct RouteRt {
     pub keys: Arc<KeyTable>,
     /// Every model this route serves, sorted (sub-pool keys and `models`).
     pub models_sorted: Vec<String>,
+    /// Session turn priority: the route's state slot and its bucket table, resolved once.
+    pub prio_slot: RouteSlot,
+    pub prio_table: Vec<crate::config::PrioBucket>,
 }
 
 impl RouteRt {
@@ -195,6 +198,13 @@ impl Snapshot {
                 pools,
                 keys: route_keys,
                 models_sorted,
+                prio_slot: crate::control::prio_state::slot(seg, &rc.name).ok_or_else(|| {
+                    format!(
+                        "shared segment has no free slot for the state of route {}",
+                        rc.name
+                    )
+                })?,
+                prio_table: crate::control::prio_state::table(&rc.opts),
             }));
         }
         Ok(Snapshot {

@@ -189,7 +189,7 @@ pub fn handle(
         }
         "rate_limit_status" => Some(Response::json(200, &rate_limit_status(ctx, r))),
         "session_prio_toggle" => {
-            let slot = prio_state::slot(seg, r.name())?;
+            let slot = r.prio_slot;
             let v = if query_param(q, "reset").as_deref() == Some("1") {
                 0
             } else {
@@ -231,18 +231,16 @@ pub fn handle(
 pub fn session_status(ctx: &WorkerCtx, r: &RouteRt) -> Value {
     let seg = &ctx.shared.seg;
     let opts = &r.cfg.opts;
-    let Some(slot) = prio_state::slot(seg, r.name()) else {
-        return json!({"route": r.name(), "error": "no segment slot"});
-    };
+    let slot = r.prio_slot;
     let c = |i| seg.route_cell(slot, i).load(Relaxed);
-    let table = prio_state::table(opts);
+    let table = &r.prio_table;
     let buckets: Vec<Value> = table
         .iter()
         .enumerate()
         .map(|(i, b)| {
             let (ptok, ctok) = (c(prio_state::cell::PTOK + i), c(prio_state::cell::CTOK + i));
             json!({
-                "bucket": session_prio::bucket_label(i, &table),
+                "bucket": session_prio::bucket_label(i, table),
                 "min_turn": b.min_turn, "share": b.share, "tol": b.tol,
                 "admitted": c(prio_state::cell::ADMITS + i),
                 "rejected": c(prio_state::cell::REJECTS + i),

@@ -425,17 +425,17 @@ async fn proxy(
         let (rate_on, _) = latency::rate_limit_on(opts, pool, seg);
         fig.limit = latency::concurrency_limit(opts, pool, seg, now_s, fig.limit);
         // Session turn priority, when on: the request's turn bucket grades the gates.
-        let prio = control::prio_state::slot(seg, route.name())
+        let prio = Some(route.prio_slot)
             .filter(|&slot| control::prio_state::enabled(seg, slot, opts))
             .map(|slot| {
-                let table = control::prio_state::table(opts);
+                let table = &route.prio_table;
                 let header = head.headers.get(control::session_prio::HEADER);
                 let bucket = control::prio_state::classify(
                     seg,
                     slot,
                     route.name(),
                     opts,
-                    &table,
+                    table,
                     header,
                     now_s,
                 );
