@@ -26,5 +26,6 @@ pub mod status;
 mod testutil;
 pub mod transform;
 pub mod upstream;
+pub mod usage;
 pub mod util;
 pub mod worker;

@@ -22,6 +22,8 @@
 use regex::bytes::Regex as BytesRegex;
 use regex::Regex;
 use serde_json::{Map, Value};
+
+pub use crate::usage::{usage_from_json, Usage};
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
@@ -1115,53 +1117,13 @@ impl UsageFrameFilter {
 // Usage numbers
 // ---------------------------------------------------------------------------------------------
 
-/// Token counts of a response (SPEC §5.2).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt_tokens: Option<u64>,
-    pub completion_tokens: Option<u64>,
-    /// `prompt_tokens_details.cached_tokens`.
-    pub cached_tokens: Option<u64>,
-}
-
-fn count(v: Option<&Value>) -> Option<u64> {
-    let v = v?;
-    if let Some(n) = v.as_u64() {
-        return Some(n);
-    }
-    let f = v.as_f64()?;
-    (f >= 0.0 && f.fract() == 0.0 && f < 1.8e19).then_some(f as u64)
-}
-
-/// Usage from a JSON response (its top-level `usage` object) or from a usage object itself
-/// (e.g. [`UsageFrameFilter::usage`]). `None` without a usage object.
-pub fn usage_from_json(v: &Value) -> Option<Usage> {
-    let u = match v.get("usage") {
-        Some(u @ Value::Object(_)) => u,
-        _ if v.get("prompt_tokens").is_some() || v.get("completion_tokens").is_some() => v,
-        _ => return None,
-    };
-    Some(Usage {
-        prompt_tokens: count(u.get("prompt_tokens")),
-        completion_tokens: count(u.get("completion_tokens")),
-        cached_tokens: count(
-            u.get("prompt_tokens_details")
-                .and_then(|d| d.get("cached_tokens")),
-        ),
-    })
-}
-
 /// Usage from the tail of an SSE stream: the last `data:` frame carrying a `usage` object.
 pub fn usage_from_sse(tail: &[u8]) -> Option<Usage> {
     tail.split(|&b| b == b'\n' || b == b'\r')
         .rev()
         .filter_map(data_value)
         .filter(|d| has_usage_object(d))
-        .find_map(|d| {
-            serde_json::from_slice::<Value>(d)
-                .ok()
-                .and_then(|v| usage_from_json(&v))
-        })
+        .find_map(|d| crate::usage::usage_from_slice(d))
 }
 
 #[cfg(test)]

@@ -764,7 +764,7 @@ async fn proxy(
                     stats.usage = if sse {
                         crate::transform::usage_from_sse(stats.tail.bytes())
                     } else {
-                        usage_in_json_tail(stats.tail.bytes())
+                        crate::usage::usage_in_json_tail(stats.tail.bytes())
                     };
                     if let Some(u) = stats.usage {
                         account_usage(seg, route, routed.peer, &u);
@@ -1082,18 +1082,6 @@ fn graded_gate(
             threshold: limit,
         },
     }
-}
-
-/// The usage of a JSON response body, from the last `"usage"` object in its tail.
-fn usage_in_json_tail(tail: &[u8]) -> Option<crate::transform::Usage> {
-    const KEY: &[u8] = b"\"usage\"";
-    let at = tail.windows(KEY.len()).rposition(|w| w == KEY)?;
-    let open = at + tail[at..].iter().position(|&b| b == b'{')?;
-    let v: serde_json::Value = serde_json::Deserializer::from_slice(&tail[open..])
-        .into_iter()
-        .next()?
-        .ok()?;
-    crate::transform::usage_from_json(&v)
 }
 
 /// Add a response's tokens to its route's and peer's counters (SPEC §5.3: the prefix-cache
