@@ -1123,7 +1123,7 @@ pub fn usage_from_sse(tail: &[u8]) -> Option<Usage> {
         .rev()
         .filter_map(data_value)
         .filter(|d| has_usage_object(d))
-        .find_map(|d| crate::usage::usage_from_slice(d))
+        .find_map(crate::usage::usage_from_slice)
 }
 
 #[cfg(test)]
