@@ -102,6 +102,56 @@ def ratio(a, b):
     return round(a / b, 3) if a and b else None
 
 
+# Every overhead party, in table order, with what it is and where it gets the session id.
+PARTIES = [
+    ("direct", "pinned", "the backend itself (wrk → nginx `return 200`)", "`X-Session-ID` (ignored)"),
+    ("warmroute-1w", "pinned", "warmroute `--workers 1 --no-pin`", "`X-Session-ID` header"),
+    ("warmroute-1w-body", "pinned", "the same warmroute process", "`metadata.session_id` in the JSON body (no header)"),
+    ("nginx-1w", "pinned", "nginx `worker_processes 1`, `hash $http_x_session_id consistent`", "`X-Session-ID` header"),
+    ("nginx-lua-1w", "pinned", "nginx `worker_processes 1` + Lua module, `balancer_by_lua_block`: "
+     "peer = `ngx.crc32_long(id) % n`", "`X-Session-ID` header"),
+    ("haproxy-1t", "pinned", "haproxy `nbthread 1`, `balance hdr(X-Session-ID)` + `hash-type consistent`",
+     "`X-Session-ID` header"),
+    ("vllm-router", "pinned", "vllm-router `--policy consistent_hash`", "`X-Session-ID` header"),
+    ("sglang-router", "pinned", "sglang-router `--policy manual`", "`X-SMG-Routing-Key` header"),
+    ("direct-shared", "shared", "the backend itself, wrk unpinned", "`X-Session-ID` (ignored)"),
+    ("warmroute-2w", "shared", "warmroute `--workers 2` (pins its workers)", "`X-Session-ID` header"),
+    ("warmroute-2w-body", "shared", "the same warmroute process", "`metadata.session_id` in the JSON body (no header)"),
+    ("nginx-2w", "shared", "nginx `worker_processes 2`, `worker_cpu_affinity auto`, `reuseport`", "`X-Session-ID` header"),
+    ("nginx-lua-2w", "shared", "as nginx-lua-1w with 2 workers", "`X-Session-ID` header"),
+    ("haproxy-2t", "shared", "haproxy `nbthread 2` + `cpu-map`", "`X-Session-ID` header"),
+]
+PARTY_ORDER = {p[0]: i for i, p in enumerate(PARTIES)}
+
+# Ratios printed per case (when both parties ran): warmroute with the id in the body first,
+# since that is what the targets are about.
+RATIOS = [
+    ("warmroute-1w-body", "haproxy-1t"),
+    ("warmroute-1w-body", "nginx-1w"),
+    ("warmroute-1w-body", "nginx-lua-1w"),
+    ("warmroute-1w-body", "vllm-router"),
+    ("warmroute-1w-body", "sglang-router"),
+    ("warmroute-1w", "haproxy-1t"),
+    ("warmroute-1w", "nginx-1w"),
+    ("warmroute-1w", "nginx-lua-1w"),
+    ("warmroute-1w", "vllm-router"),
+    ("warmroute-1w", "sglang-router"),
+    ("warmroute-1w-body", "warmroute-1w"),
+    ("warmroute-2w-body", "haproxy-2t"),
+    ("warmroute-2w-body", "nginx-2w"),
+    ("warmroute-2w-body", "nginx-lua-2w"),
+    ("warmroute-2w", "haproxy-2t"),
+    ("warmroute-2w", "nginx-2w"),
+    ("warmroute-2w", "nginx-lua-2w"),
+    ("warmroute-2w-body", "warmroute-2w"),
+    ("warmroute-2w", "warmroute-1w"),
+    ("warmroute-2w-body", "warmroute-1w-body"),
+]
+
+# c1 p50 at or above this looks like a per-request floor (Nagle / delayed ACK: ~40 ms).
+FLOOR_US = 20000
+
+
 def build_summary(runs):
     """Per case: each party's throughput and latency figures, and the comparison ratios.
 
@@ -126,13 +176,14 @@ def build_summary(runs):
                 parties.append(r["party"])
         if not parties:
             continue
+        parties.sort(key=lambda p: PARTY_ORDER.get(p, len(PARTY_ORDER)))
         rows = []
         for p in parties:
             t = best[(case, p)]
             lat1 = lat.get((case, p))
             dname = direct_of.get(t["group"])
             direct = best.get((case, dname)) if dname and dname != p else None
-            direct_lat = lat.get((case, dname)) if direct else None
+            direct_lat = lat.get((case, dname)) if dname and dname != p else None
             rows.append({
                 "party": p,
                 "group": t["group"],
@@ -140,6 +191,7 @@ def build_summary(runs):
                 "rps_rounds": rounds[(case, p)],
                 "p50_us": t["latency_us"]["p50"],
                 "p99_us": t["latency_us"]["p99"],
+                "max_us": t["latency_us"]["max"],
                 "c1_rps": lat1["rps"] if lat1 else None,
                 "c1_p50_us": lat1["latency_us"]["p50"] if lat1 else None,
                 "c1_p99_us": lat1["latency_us"]["p99"] if lat1 else None,
@@ -152,8 +204,8 @@ def build_summary(runs):
             })
         by = {r["party"]: r for r in rows}
 
-        def cmp(wr, other):
-            a, b = by.get(wr), by.get(other)
+        def cmp(a_name, b_name):
+            a, b = by.get(a_name), by.get(b_name)
             if not a or not b:
                 return None
             return {
@@ -163,16 +215,12 @@ def build_summary(runs):
                 "c1_p50_ratio": ratio(a["c1_p50_us"], b["c1_p50_us"]),
             }
 
-        cases.append({
-            "case": case,
-            "rows": rows,
-            "ratios": {
-                "warmroute-1w/haproxy-1t": cmp("warmroute-1w", "haproxy-1t"),
-                "warmroute-1w/nginx-1w": cmp("warmroute-1w", "nginx-1w"),
-                "warmroute-2w/haproxy-2t": cmp("warmroute-2w", "haproxy-2t"),
-                "warmroute-2w/nginx-2w": cmp("warmroute-2w", "nginx-2w"),
-            },
-        })
+        ratios = {}
+        for a_name, b_name in RATIOS:
+            v = cmp(a_name, b_name)
+            if v:
+                ratios[f"{a_name}/{b_name}"] = v
+        cases.append({"case": case, "rows": rows, "ratios": ratios})
     return cases
 
 
@@ -192,6 +240,34 @@ def x(v):
     return "—" if v is None else f"{v:.2f}×"
 
 
+def mark(v, ok, fmt="{:.2f}×"):
+    return "—" if v is None else f"{fmt.format(v)} {'✅' if ok(v) else '❌'}"
+
+
+def targets(c):
+    """The targets, checked for warmroute with the session id in the JSON body (the id the other
+    proxies cannot read), pinned (1 worker vs 1 thread) and shared (2 vs 2)."""
+    by = {r["party"]: r for r in c["rows"]}
+    out = []
+    for grp, wr, hap, ngx, vllm in (("pinned", "warmroute-1w-body", "haproxy-1t", "nginx-1w", "vllm-router"),
+                                   ("shared", "warmroute-2w-body", "haproxy-2t", "nginx-2w", None)):
+        w = by.get(wr)
+        if not w:
+            continue
+        h, n, v = by.get(hap), by.get(ngx), by.get(vllm) if vllm else None
+        out.append({
+            "case": c["case"],
+            "group": grp,
+            "party": wr,
+            "rps_vs_haproxy": ratio(w["rps"], h["rps"]) if h else None,
+            "p99_vs_haproxy": ratio(w["p99_us"], h["p99_us"]) if h else None,
+            "rps_vs_nginx": ratio(w["rps"], n["rps"]) if n else None,
+            "rps_vs_vllm_router": ratio(w["rps"], v["rps"]) if v else None,
+            "added_c1_p50_us": w["added_c1_p50_us"],
+        })
+    return out
+
+
 def render_md(args, data):
     m = data["machine"]
     s = data["settings"]
@@ -208,41 +284,65 @@ def render_md(args, data):
     backend_desc = {
         "nginx": f"static nginx (1 worker, `return 200`): a fixed {jb}-byte chat.completion JSON, or "
                  f"a fixed {se}-event SSE body ({sb} bytes, `Content-Length`-framed, so it reaches "
-                 f"the proxy in one read) when the request accepts `text/event-stream`",
+                 f"the proxy in one read) when the request accepts `text/event-stream`; `/health` and "
+                 f"`/v1/models` answer for the routers' probes",
         "mock": "`warmroute-mock --workers 1 --ttft-base-ms 0 --ttft-per-token-us 0 --decode-tps 0 "
                 "--max-tokens 8` (chunked SSE, one write per event)",
     }[s["backend"]]
+    tools = f"{m['nginx']}; {m['haproxy']}; {m['wrk']}"
+    if data.get("router_versions"):
+        tools += f"; {data['router_versions']} (PyPI wheels, in a venv outside the repository)"
     add(f"## overhead — proxy overhead over one backend ({data['date']})")
     add("")
     add(f"- **Date**: {data['date']} · **git**: `{data['git']}` · **backend**: {backend_desc}")
     add(f"- **Machine**: {m['nproc']} cores ({m['cpu_model']}), kernel `{m['kernel']}`, "
         f"`kernel.io_uring_disabled={m['io_uring_disabled_sysctl']}`; warmroute workers got "
         f"**{m['warmroute_driver']}**; load average before the run `{m['loadavg_before']}`")
-    add(f"- **Tools**: {m['nginx']}; {m['haproxy']}; {m['wrk']}")
+    add(f"- **Tools**: {tools}")
     add(f"- **Load**: per case, {s['rounds']} interleaved rounds over all parties of wrk `-t1 "
         f"-c{s['conns']}` for {s['duration']} (after a {s['warmup']} warm-up each); the table keeps "
         f"the round with the highest req/s and lists every round. Then `-t1 -c1` for "
         f"{s['lat_duration']} per party (unloaded latency, and a check for a Nagle/delayed-ACK "
-        f"floor). {s['sessions']} rotating `X-Session-ID`s, script `bench/wrk/chat.lua`; all in one "
-        f"run against the same backend process.")
+        f"floor). {s['sessions']} rotating session ids, script `bench/wrk/chat.lua` (POST "
+        f"`/v1/chat/completions`, through the `/bench` route prefix for warmroute, nginx and haproxy); "
+        f"all in one run against the same backend process.")
     add(f"- **Placement** (2 cores shared by load generator, backend and proxy): *pinned* proxies "
-        f"run under `taskset -c {s['proxy_cpu']}` with one worker/thread (warmroute `--workers 1 "
-        f"--no-pin`, nginx `worker_processes 1`, haproxy `nbthread 1`) while wrk and the backend "
-        f"are held on core {s['load_cpu'] or '(none)'}, so each proxy has one core to itself and the "
-        f"comparison is of the proxies' per-core cost (the load core caps any party at roughly the "
-        f"*direct* figure). *shared* proxies use both cores as they would in production "
-        f"(warmroute `--workers 2`, pinning its workers itself; nginx `worker_processes 2` + "
-        f"`worker_cpu_affinity auto` + `reuseport`; haproxy `nbthread 2` + `cpu-map`) with wrk and "
-        f"the backend unpinned next to them; *direct-shared* is the backend with the same "
-        f"unpinned wrk. Added latency is against the direct row of the same placement.")
-    add("- **Proxy settings**: nginx `hash $http_x_session_id consistent`, `keepalive 64`, "
-        "`proxy_http_version 1.1`, `proxy_set_header Connection \"\"`, `proxy_buffering off`, "
-        "X-Forwarded-For/X-Real-IP/X-Forwarded-Proto set, `/bench/` prefix stripped; haproxy "
+        f"run under `taskset -c {s['proxy_cpu']}` with one worker/thread where they have the knob "
+        f"(warmroute `--workers 1 --no-pin`, nginx `worker_processes 1`, haproxy `nbthread 1`; the "
+        f"two LLM routers size their tokio runtimes from the one CPU they are given — thread counts "
+        f"below) while wrk and the backend are held on core {s['load_cpu'] or '(none)'}, so each proxy "
+        f"has one core to itself and the comparison is of the proxies' per-core cost (the load core "
+        f"caps any party at roughly the *direct* figure). *shared* proxies use both cores as they "
+        f"would in production with wrk and the backend unpinned next to them; *direct-shared* is the "
+        f"backend with the same unpinned wrk. Added latency is against the direct row of the same "
+        f"placement.")
+    add("- **Proxy settings**: nginx `keepalive 64`, `proxy_http_version 1.1`, "
+        "`proxy_set_header Connection \"\"`, `proxy_buffering off`, X-Forwarded-For/X-Real-IP/"
+        "X-Forwarded-Proto set, `/bench/` prefix stripped (nginx + Lua: the same, the peer chosen "
+        "in `balancer_by_lua_block` with `ngx.balancer.set_current_peer`, Debian "
+        f"`libnginx-mod-http-lua` loaded from `{data.get('lua_module_dir') or '?'}`); haproxy "
         "`balance hdr(X-Session-ID)`, `hash-type consistent`, `http-reuse always`, "
-        "`option forwardfor`, `replace-path` stripping `/bench`; warmroute one route `bench` with "
-        "one peer, `--access-log off`. No access logs anywhere. Configs are in the work directory "
-        f"`bench/out/overhead-{data['timestamp']}/`.")
+        "`option http-no-delay`, `option forwardfor`, `replace-path` stripping `/bench`; warmroute "
+        "one route `bench` with one peer, `--access-log off`; vllm-router `--policy consistent_hash "
+        "--log-level warning` and sglang-router `--policy manual --log-level warn` (at their default "
+        "`info` both log every request), Prometheus exporters on 127.0.0.1. No access logs anywhere. "
+        f"Configs are in the work directory `bench/out/overhead-{data['timestamp']}/`.")
     add("")
+    ran = {r["party"] for c in data["cases"] for r in c["rows"]}
+    add("| party | placement | what | session id sent in |")
+    add("|---|---|---|---|")
+    for name, grp, what, sid in PARTIES:
+        if name in ran or name in data.get("parties", []):
+            add(f"| {name} | {grp} | {what} | {sid} |")
+    add("")
+    skipped = data.get("skipped", [])
+    if skipped:
+        add("**Skipped / unavailable parties:**")
+        add("")
+        for sk in skipped:
+            where = f" ({sk['case']})" if sk.get("case") else ""
+            add(f"- **{sk['party']}**{where}: {sk['reason']}")
+        add("")
     for c in data["cases"]:
         add(f"### {case_titles[c['case']]}")
         add("")
@@ -252,55 +352,133 @@ def render_md(args, data):
         add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
         for r in c["rows"]:
             rr = " / ".join(f"{v / 1000:.1f}" for v in r["rps_rounds"])
+            floor = " ⚠" if r["c1_p50_us"] is not None and r["c1_p50_us"] >= FLOOR_US else ""
             add(f"| {r['party']} | {GROUP_TITLES.get(r['group'], r['group'])} | {r['rps']:,.0f} | {rr} | "
                 f"{ms(r['p50_us'])} | {ms(r['p99_us'])} | {plus_ms(r['added_p50_us'])} | "
-                f"{ms(r['c1_p50_us'])} | {ms(r['c1_p99_us'])} | {plus_ms(r['added_c1_p50_us'])} | "
+                f"{ms(r['c1_p50_us'])}{floor} | {ms(r['c1_p99_us'])} | {plus_ms(r['added_c1_p50_us'])} | "
                 f"{busy(r['cpu_busy_pct'])} | {r['errors']} / {r['non2xx']} |")
         add("")
+        floors = [r["party"] for r in c["rows"] if r["c1_p50_us"] is not None and r["c1_p50_us"] >= FLOOR_US]
+        if floors:
+            add(f"⚠ c1 p50 ≥ {FLOOR_US // 1000} ms — a per-request floor on a reused keep-alive "
+                f"connection (the Nagle/delayed-ACK signature): {', '.join(floors)}.")
+            add("")
         add("| ratio | req/s | p50 | p99 | p50 (c1) |")
         add("|---|---:|---:|---:|---:|")
         for name, v in c["ratios"].items():
-            if v:
-                add(f"| {name} | {x(v['rps_ratio'])} | {x(v['p50_ratio'])} | {x(v['p99_ratio'])} | "
-                    f"{x(v['c1_p50_ratio'])} |")
+            add(f"| {name} | {x(v['rps_ratio'])} | {x(v['p50_ratio'])} | {x(v['p99_ratio'])} | "
+                f"{x(v['c1_p50_ratio'])} |")
         add("")
-    # Targets of issue 2 (recorded, not asserted).
-    add("### Targets (issue 2: throughput ≥ 1.2× haproxy and ≥ nginx, p99 no worse than haproxy)")
+    add("### Targets (warmroute with the session id read from the JSON body)")
     add("")
-    add("| case | placement | req/s vs haproxy (≥ 1.20×) | req/s vs nginx (≥ 1.00×) | p99 vs haproxy (≤ 1.00×) |")
-    add("|---|---|---:|---:|---:|")
-    for c in data["cases"]:
-        for grp, wr, hap, ngx in (("pinned", "warmroute-1w/haproxy-1t", None, "warmroute-1w/nginx-1w"),
-                                  ("shared", "warmroute-2w/haproxy-2t", None, "warmroute-2w/nginx-2w")):
-            h, n = c["ratios"].get(wr), c["ratios"].get(ngx)
-            if not h or not n:
-                continue
-
-            def mark(v, ok):
-                return "—" if v is None else f"{v:.2f}× {'✅' if ok(v) else '❌'}"
-
-            add(f"| {c['case']} | {grp} | {mark(h['rps_ratio'], lambda v: v >= 1.2)} | "
-                f"{mark(n['rps_ratio'], lambda v: v >= 1.0)} | {mark(h['p99_ratio'], lambda v: v <= 1.0)} |")
+    add("≥ 1.2× haproxy's req/s with p99 no worse than haproxy's, ≥ nginx's req/s, ≥ 4× "
+        "vllm-router's req/s, and ≤ 100 µs added to the unloaded (c1) p50 over direct. Pinned = "
+        "warmroute-1w-body against the 1-thread proxies; shared = warmroute-2w-body against the "
+        "2-thread ones (the LLM routers run pinned only).")
     add("")
+    add("| case | placement | req/s vs haproxy (≥ 1.20×) | p99 vs haproxy (≤ 1.00×) | req/s vs nginx (≥ 1.00×) | "
+        "req/s vs vllm-router (≥ 4×) | +p50 vs direct, c1 (≤ 100 µs) |")
+    add("|---|---|---:|---:|---:|---:|---:|")
+    for t in data["targets"]:
+        add(f"| {t['case']} | {t['group']} | {mark(t['rps_vs_haproxy'], lambda v: v >= 1.2)} | "
+            f"{mark(t['p99_vs_haproxy'], lambda v: v <= 1.0)} | {mark(t['rps_vs_nginx'], lambda v: v >= 1.0)} | "
+            f"{mark(t['rps_vs_vllm_router'], lambda v: v >= 4.0)} | "
+            f"{mark(t['added_c1_p50_us'], lambda v: v <= 100, '{:+.0f} µs')} |")
+    add("")
+    if data.get("threads"):
+        add("Processes / threads after the load (`/proc/PID/status`, the process and its children) "
+            "and the CPUs its main thread may run on (`taskset -pc`; warmroute `--workers 2` and "
+            "haproxy `cpu-map` pin their worker threads themselves):")
+        add("")
+        add("| process | processes | threads | cpus (main thread) |")
+        add("|---|---:|---:|---|")
+        for t in data["threads"]:
+            add(f"| {t['proc']} | {t['processes']} | {t['threads']} | {t['cpus']} |")
+        add("")
     bad = [p for p in data["preflight"] if p["verdict"] != "ok"]
     if bad:
         add("**Preflight problems** (one curl request per party and case, body compared with the direct reply):")
         add("")
         for p in bad:
             add(f"- {p['party']} / {p['case']}: {p['verdict']}")
+        add("")
     else:
         add(f"Preflight: one curl request per party and case answered 200 with a body "
             f"{'byte-identical to' if s['backend'] == 'nginx' else 'with the same SSE event count as'} "
             f"the direct reply.")
-    add("")
+        add("")
+    if data.get("chart"):
+        add(f"Chart: `{data['chart']}` (req/s at c{s['conns']} and p99 per party and case).")
+        add("")
     add("Exact commands of this run (generated configs in the work directory):")
     add("")
     add("```")
-    add(f"{args.command}   # CARGO_TARGET_DIR=/work/target-bench in this run")
+    add(f"{args.command}   # CARGO_TARGET_DIR={args.target_dir} in this run")
     for cmd in data["commands"]:
         add(cmd.replace(args.work_prefix, "$WORK/") if args.work_prefix else cmd)
     add("```")
     return "\n".join(lines)
+
+
+def write_chart(path, data):
+    """bench/overhead.png: per case, req/s (c32) and p99 per party, pinned and shared groups
+    side by side. Optional: returns False when matplotlib is not importable."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+        from matplotlib.ticker import FuncFormatter, NullFormatter
+    except ImportError:
+        return False
+    cases = data["cases"]
+    if not cases:
+        return False
+    s = data["settings"]
+    colors = {"pinned": "#4c72b0", "shared": "#dd8452"}
+    fig, axes = plt.subplots(len(cases), 2, figsize=(15, 4.6 * len(cases)), squeeze=False)
+    for row, c in zip(axes, cases):
+        names = [r["party"] for r in c["rows"]]
+        # top to bottom in table order, with a gap between the pinned and the shared group
+        ypos, y = [], 0.0
+        for i, r in enumerate(c["rows"]):
+            if i and r["group"] != c["rows"][i - 1]["group"]:
+                y += 0.6
+            ypos.append(-y)
+            y += 1
+        for ax, key, title, scale in ((row[0], "rps", f"req/s at {s['conns']} connections (higher is better)", 1.0),
+                                      (row[1], "p99_us", f"p99 latency at {s['conns']} connections, ms, log scale "
+                                                         "(lower is better)", 1e-3)):
+            vals = [r[key] * scale for r in c["rows"]]
+            bars = ax.barh(ypos, vals, color=[colors.get(r["group"], "#888") for r in c["rows"]],
+                           edgecolor=["black" if r["party"].startswith("warmroute") else "none" for r in c["rows"]],
+                           linewidth=1.2)
+            for b, v in zip(bars, vals):
+                ax.text(b.get_width(), b.get_y() + b.get_height() / 2,
+                        f" {v:,.0f}" if key == "rps" else f" {v:.2f}", va="center", fontsize=8)
+            ax.set_yticks(ypos)
+            ax.set_yticklabels(names, fontsize=9)
+            if key == "p99_us":
+                ax.set_xscale("log")
+                ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.xaxis.set_minor_formatter(NullFormatter())
+                ax.set_xlim(min(vals) / 1.5, max(vals) * 2.2)
+            else:
+                ax.set_xlim(0, max(vals) * 1.18 if vals else 1)
+            ax.set_title(f"{c['case']}: {title}", fontsize=10)
+            ax.grid(axis="x", alpha=0.3)
+    handles = [Patch(color=colors["pinned"], label="pinned: proxy alone on 1 core, wrk + backend on the other"),
+               Patch(color=colors["shared"], label="shared: 2 workers/threads, everything on both cores"),
+               Patch(facecolor="white", edgecolor="black", label="warmroute (-body: id in the JSON body)")]
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=9, frameon=False)
+    skipped = sorted({sk["party"] + (f" ({sk['case']})" if sk.get("case") else "") for sk in data.get("skipped", [])})
+    sub = f"; skipped: {', '.join(skipped)}" if skipped else ""
+    fig.suptitle(f"warmroute overhead over one static backend — {data['date']}, git {data['git']}, "
+                 f"{data['machine']['nproc']} cores, shared machine (indicative){sub}", fontsize=11)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.97))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 HEADER = """# warmroute benchmark results
@@ -348,6 +526,12 @@ def main():
     ap.add_argument("--proxy-cpu", default="0")
     ap.add_argument("--load-cpu", default="1")
     ap.add_argument("--sessions", type=int, default=64)
+    ap.add_argument("--parties", default="")
+    ap.add_argument("--cases", default="json stream")
+    ap.add_argument("--router-versions", default="")
+    ap.add_argument("--lua-module-dir", default="")
+    ap.add_argument("--target-dir", default="target")
+    ap.add_argument("--chart", default="")
     ap.add_argument("--command", default="")
     args = ap.parse_args()
     args.work_prefix = args.work.rstrip("/") + "/"
@@ -356,6 +540,12 @@ def main():
     preflight = load_jsonl(os.path.join(args.work, "preflight.jsonl"))
     with open(os.path.join(args.work, "commands.txt")) as f:
         commands = [c for c in f.read().splitlines() if c]
+
+    def optional_jsonl(name):
+        path = os.path.join(args.work, name)
+        return load_jsonl(path) if os.path.exists(path) else []
+
+    cases = build_summary(runs)
     ts = datetime.strptime(args.timestamp, "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
     data = {
         "scenario": args.scenario,
@@ -375,11 +565,23 @@ def main():
             "sessions": args.sessions,
         },
         "command": args.command,
+        "parties": args.parties.split(),
+        "router_versions": args.router_versions,
+        "lua_module_dir": args.lua_module_dir,
         "commands": commands,
         "preflight": preflight,
+        "skipped": optional_jsonl("skipped.jsonl"),
+        "threads": optional_jsonl("threads.jsonl"),
         "runs": runs,
-        "cases": build_summary(runs),
+        "cases": cases,
+        "targets": [t for c in cases for t in targets(c)],
+        "chart": "",
     }
+    if args.chart:
+        if write_chart(args.chart, data):
+            data["chart"] = os.path.relpath(args.chart, os.path.dirname(os.path.dirname(os.path.abspath(args.chart))))
+        else:
+            print("matplotlib not importable: no chart", file=sys.stderr)
     with open(args.out, "w") as f:
         json.dump(data, f, indent=2)
         f.write("\n")

@@ -1,13 +1,15 @@
--- wrk script for warmroute's benchmarks: POST an OpenAI chat/completions JSON body with an
--- X-Session-ID header rotating over a fixed set of session ids.
+-- wrk script for warmroute's benchmarks: POST an OpenAI chat/completions JSON body with a
+-- session id (in a header, or in the body) rotating over a fixed set of session ids.
 --
---   wrk -t1 -c32 -d10s --latency -s bench/wrk/chat.lua http://127.0.0.1:PORT -- PATH MODE [SESSIONS] [ID]
+--   wrk -t1 -c32 -d10s --latency -s bench/wrk/chat.lua http://127.0.0.1:PORT -- PATH MODE [SESSIONS] [ID] [HEADER]
 --
 -- PATH      request path (e.g. /bench/v1/chat/completions or /v1/chat/completions)
 -- MODE      "json" (non-streaming) or "stream" ("stream":true and Accept: text/event-stream)
 -- SESSIONS  number of rotating session ids (default 64)
--- ID        where the session id goes: "header" (X-Session-ID, default), "body"
+-- ID        where the session id goes: "header" (the HEADER below, default), "body"
 --           (metadata.session_id in the JSON body, no header) or "none" (no id at all)
+-- HEADER    the header that carries the id when ID is "header" (default X-Session-ID; e.g.
+--           X-SMG-Routing-Key for sglang-router's manual policy)
 --
 -- The requests are built once per thread in init(); request() only rotates through them.
 -- done() prints one machine-readable line, prefixed "WRKJSON ", with counts and latency
@@ -22,6 +24,7 @@ function init(args)
   local stream = (args[2] == "stream")
   local sessions = tonumber(args[3] or "64")
   local where = args[4] or "header"
+  local header = args[5] or "X-Session-ID"
   -- wrk.format() does not add Host or Content-Type for us when it is given a header table.
   local host = wrk.host
   if wrk.port then
@@ -42,7 +45,7 @@ function init(args)
       ["Accept"] = stream and "text/event-stream" or "application/json",
     }
     if where == "header" then
-      headers["X-Session-ID"] = sid
+      headers[header] = sid
     end
     reqs[i] = wrk.format("POST", path, headers, body)
   end
