@@ -152,7 +152,7 @@ RATIOS = [
 FLOOR_US = 20000
 
 
-def build_summary(runs):
+def build_summary(runs, proxy_cpu=None):
     """Per case: each party's throughput and latency figures, and the comparison ratios.
 
     Throughput figures come from the round with the highest req/s (the least disturbed by
@@ -199,6 +199,10 @@ def build_summary(runs):
                 "added_c1_p50_us": (lat1["latency_us"]["p50"] - direct_lat["latency_us"]["p50"])
                 if lat1 and direct_lat else None,
                 "cpu_busy_pct": t["cpu_busy_pct"],
+                # The pinned proxy's CPU per request on its own core: what a request costs the
+                # proxy whatever caps the throughput (the load core is often the limit).
+                "proxy_cpu_us": (t["cpu_busy_pct"].get(f"cpu{proxy_cpu}", 0) * 1e4 / t["rps"])
+                if proxy_cpu is not None and t["group"] == "pinned" and dname != p and t["rps"] else None,
                 "errors": sum(sum(r["errors"].values()) for r in runs if r["case"] == case and r["party"] == p),
                 "non2xx": sum(r["non2xx"] for r in runs if r["case"] == case and r["party"] == p),
             })
@@ -236,6 +240,10 @@ def busy(d):
     return " / ".join(f"{v:.0f}" for _, v in sorted(d.items(), key=lambda kv: int(kv[0][3:]))) or "—"
 
 
+def us1(v):
+    return "—" if v is None else f"{v:.1f}"
+
+
 def x(v):
     return "—" if v is None else f"{v:.2f}×"
 
@@ -260,6 +268,7 @@ def targets(c):
             "group": grp,
             "party": wr,
             "rps_vs_haproxy": ratio(w["rps"], h["rps"]) if h else None,
+            "cpu_vs_haproxy": ratio(w["proxy_cpu_us"], h["proxy_cpu_us"]) if h and w.get("proxy_cpu_us") and h.get("proxy_cpu_us") else None,
             "p99_vs_haproxy": ratio(w["p99_us"], h["p99_us"]) if h else None,
             "rps_vs_nginx": ratio(w["rps"], n["rps"]) if n else None,
             "rps_vs_vllm_router": ratio(w["rps"], v["rps"]) if v else None,
@@ -348,15 +357,15 @@ def render_md(args, data):
         add("")
         add(f"| party | placement | req/s (c{s['conns']}) | rounds (k req/s) | p50 ms | p99 ms | "
             "+p50 vs direct | p50 ms (c1) | p99 ms (c1) | +p50 vs direct (c1) | cpu0 / cpu1 busy % | "
-            "errors / non-2xx |")
-        add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+            "proxy CPU µs/req | errors / non-2xx |")
+        add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
         for r in c["rows"]:
             rr = " / ".join(f"{v / 1000:.1f}" for v in r["rps_rounds"])
             floor = " ⚠" if r["c1_p50_us"] is not None and r["c1_p50_us"] >= FLOOR_US else ""
             add(f"| {r['party']} | {GROUP_TITLES.get(r['group'], r['group'])} | {r['rps']:,.0f} | {rr} | "
                 f"{ms(r['p50_us'])} | {ms(r['p99_us'])} | {plus_ms(r['added_p50_us'])} | "
                 f"{ms(r['c1_p50_us'])}{floor} | {ms(r['c1_p99_us'])} | {plus_ms(r['added_c1_p50_us'])} | "
-                f"{busy(r['cpu_busy_pct'])} | {r['errors']} / {r['non2xx']} |")
+                f"{busy(r['cpu_busy_pct'])} | {us1(r.get('proxy_cpu_us'))} | {r['errors']} / {r['non2xx']} |")
         add("")
         floors = [r["party"] for r in c["rows"] if r["c1_p50_us"] is not None and r["c1_p50_us"] >= FLOOR_US]
         if floors:
@@ -377,13 +386,13 @@ def render_md(args, data):
         "2-thread ones (the LLM routers run pinned only).")
     add("")
     add("| case | placement | req/s vs haproxy (≥ 1.20×) | p99 vs haproxy (≤ 1.00×) | req/s vs nginx (≥ 1.00×) | "
-        "req/s vs vllm-router (≥ 4×) | +p50 vs direct, c1 (≤ 100 µs) |")
-    add("|---|---|---:|---:|---:|---:|---:|")
+        "req/s vs vllm-router (≥ 4×) | +p50 vs direct, c1 (≤ 100 µs) | proxy CPU per request vs haproxy |")
+    add("|---|---|---:|---:|---:|---:|---:|---:|")
     for t in data["targets"]:
         add(f"| {t['case']} | {t['group']} | {mark(t['rps_vs_haproxy'], lambda v: v >= 1.2)} | "
             f"{mark(t['p99_vs_haproxy'], lambda v: v <= 1.0)} | {mark(t['rps_vs_nginx'], lambda v: v >= 1.0)} | "
             f"{mark(t['rps_vs_vllm_router'], lambda v: v >= 4.0)} | "
-            f"{mark(t['added_c1_p50_us'], lambda v: v <= 100, '{:+.0f} µs')} |")
+            f"{mark(t['added_c1_p50_us'], lambda v: v <= 100, '{:+.0f} µs')} | {x(t.get('cpu_vs_haproxy'))} |")
     add("")
     if data.get("threads"):
         add("Processes / threads after the load (`/proc/PID/status`, the process and its children) "
@@ -545,7 +554,7 @@ def main():
         path = os.path.join(args.work, name)
         return load_jsonl(path) if os.path.exists(path) else []
 
-    cases = build_summary(runs)
+    cases = build_summary(runs, args.proxy_cpu)
     ts = datetime.strptime(args.timestamp, "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
     data = {
         "scenario": args.scenario,
