@@ -77,6 +77,15 @@ pub enum Mode {
     Json,
 }
 
+/// The media type of a Content-Type value: before any parameters, trimmed.
+pub fn media_type(ct: &[u8]) -> &[u8] {
+    let media = match ct.iter().position(|&b| b == b';') {
+        Some(i) => &ct[..i],
+        None => ct,
+    };
+    media.trim_ascii()
+}
+
 /// Decide from the response status and Content-Type whether to post-process: 2xx only;
 /// `text/event-stream` → Sse; `application/json` (parameters allowed) → Json; anything
 /// else → None (pass through untouched).
@@ -84,12 +93,7 @@ pub fn mode_for(status: u16, content_type: Option<&[u8]>) -> Option<Mode> {
     if !(200..=299).contains(&status) {
         return None;
     }
-    let ct = content_type?;
-    let media = match ct.iter().position(|&b| b == b';') {
-        Some(i) => &ct[..i],
-        None => ct,
-    };
-    let media = media.trim_ascii();
+    let media = media_type(content_type?);
     if media.eq_ignore_ascii_case(b"text/event-stream") {
         Some(Mode::Sse)
     } else if media.eq_ignore_ascii_case(b"application/json") {

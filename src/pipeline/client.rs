@@ -315,4 +315,4 @@ impl<'a> ClientWatch<'a> {
 /// How long a request may take before its client is watched for disconnects.
 const WATCH_ARM_DELAY: std::time::Duration = std::time::Duration::from_millis(25);
 /// Bytes the client-watch read may take of a pipelined next request.
-const WATCH_BUF_BYTES: usize = 1024;
+const WATCH_BUF_BYTES: usize = 256;

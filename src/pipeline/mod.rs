@@ -319,7 +319,7 @@ async fn proxy(
     let seg = &*ctx.shared.seg;
 
     // 1. Route, key (401) and body (413).
-    let p = match prepare(ctx, conn, head, snap, entry).await {
+    let mut p = match prepare(ctx, conn, head, snap, entry).await {
         Ok(p) => p,
         Err((e, route)) => {
             // A refusal before the body was read leaves it on the wire: close then.
@@ -335,6 +335,7 @@ async fn proxy(
         }
     };
     let route: &RouteRt = p.route;
+    let req_bytes = p.body.len();
     let opts = &route.cfg.opts;
     let rcell = |i: usize| seg.route_cell(route.slot, i);
     rcell(cells::route::REQUESTS).fetch_add(1, Relaxed);
@@ -722,6 +723,20 @@ async fn proxy(
                     capture: bodylog_capture(ctx, route, &p.body),
                     ..RelayStats::default()
                 };
+                // Nothing is retried once a response is relayed: a long stream should not
+                // hold a long prompt (a body-log capture keeps its own reference).
+                drop(std::mem::take(&mut p.body));
+                drop(upstream_body);
+                // An event stream holds the connection for its whole length: give back the
+                // client's read buffer meanwhile (the next request head takes a new one).
+                if conn.inbuf.is_empty()
+                    && ex.head.headers.get("content-type").is_some_and(|ct| {
+                        crate::postprocess::media_type(ct)
+                            .eq_ignore_ascii_case(b"text/event-stream")
+                    })
+                {
+                    conn.inbuf = Vec::new();
+                }
                 let rbuf = std::mem::take(&mut ex.buf);
                 let (end, rbuf) = relay::relay(
                     &mut conn.wr,
@@ -871,7 +886,7 @@ async fn proxy(
             session: &routing.session,
             source: &routing.source,
             owner: p.owner.as_deref(),
-            req_bytes: p.body.len(),
+            req_bytes,
             stats: &stats,
             body_read_at,
             started,

@@ -53,12 +53,17 @@ impl RelayStats {
     }
 }
 
+/// The read buffer of a relay whose reads have been small, e.g. an SSE stream.
+const SMALL_READ_BUF_BYTES: usize = 2048;
+/// Small reads in a row before the relay switches to the small buffer.
+const SMALL_READS_TO_SHRINK: u32 = 4;
+
 /// The last `TAIL_BYTES` bytes of a body, kept as it streams past.
 #[derive(Debug, Default, Clone)]
 pub struct Tail(Vec<u8>);
 
 /// Enough for a final usage frame (and `[DONE]`) or a JSON body's closing `usage`.
-const TAIL_BYTES: usize = 4096;
+const TAIL_BYTES: usize = 2048;
 
 impl Tail {
     pub fn push(&mut self, d: &[u8]) {
@@ -70,6 +75,11 @@ impl Tail {
         let over = (self.0.len() + d.len()).saturating_sub(TAIL_BYTES);
         if over > 0 {
             self.0.drain(..over);
+        }
+        if self.0.capacity() - self.0.len() < d.len() {
+            // Grow straight to the final size: a doubling Vec would end near 6 KiB per
+            // stream for a 4 KiB tail.
+            self.0.reserve_exact(TAIL_BYTES - self.0.len());
         }
         self.0.extend_from_slice(d);
     }
@@ -163,6 +173,8 @@ pub async fn relay(
     // Decoded body bytes of the current read (only when the client's framing differs).
     let mut decoded: Vec<u8> = Vec::new();
     let mut eof = false;
+    // Consecutive upstream reads that were small (see the read at the end of the loop).
+    let mut small_reads = 0u32;
     loop {
         // Account for the new bytes in `pending[pstart..]`: `emit` is the part the client
         // gets as is (pass-through); decoded bytes go to `decoded`.
@@ -259,7 +271,10 @@ pub async fn relay(
             }
             if !out.is_empty() {
                 match write_client(client, out).await {
-                    Ok(b) => out = b,
+                    // Pass-through writes straight from the read buffer after the head: the
+                    // head's buffer is not kept for the rest of a long stream.
+                    Ok(b) if decode => out = b,
+                    Ok(_) => out = Vec::new(),
                     Err(_) => return (RelayEnd::ClientGone, Some(pending)),
                 }
                 out.clear();
@@ -273,11 +288,20 @@ pub async fn relay(
                 Some(pending),
             );
         }
-        // Read the next piece from the peer into the spent buffer.
+        // Read the next piece from the peer into the spent buffer. A stream of small
+        // reads (events a token at a time) reads into a small buffer, so a stream that
+        // mostly waits holds 2 KiB instead of 16; a read that fills it switches back.
         pending.clear();
         pstart = 0;
-        if pending.capacity() < RELAY_READ_BUF_BYTES {
-            pending.reserve(RELAY_READ_BUF_BYTES);
+        let want = if small_reads >= SMALL_READS_TO_SHRINK {
+            SMALL_READ_BUF_BYTES
+        } else {
+            RELAY_READ_BUF_BYTES
+        };
+        if pending.capacity() < want {
+            pending.reserve(want);
+        } else if pending.capacity() > 2 * want {
+            pending = Vec::with_capacity(want);
         }
         let cap = pending.capacity();
         let read = monoio::time::timeout(plan.idle_timeout, up.read(pending.slice_mut(0..cap)));
@@ -306,7 +330,13 @@ pub async fn relay(
                     Some(pending),
                 );
             }
-            Ok(_) => {}
+            Ok(n) => {
+                if n == cap || n > SMALL_READ_BUF_BYTES / 2 {
+                    small_reads = 0;
+                } else {
+                    small_reads = small_reads.saturating_add(1);
+                }
+            }
         }
     }
 }
@@ -338,5 +368,17 @@ mod tests {
         t.push(b"END");
         assert_eq!(t.bytes().len(), TAIL_BYTES);
         assert!(t.bytes().ends_with(b"xxEND"));
+    }
+
+    #[test]
+    fn tail_of_a_long_event_stream_stays_at_its_size() {
+        // Held by every open stream: events pass, the memory does not grow past the tail.
+        let mut t = Tail::default();
+        for i in 0..10_000 {
+            t.push(format!("data: {{\"i\":{i}}}\n\n").as_bytes());
+            assert!(t.0.capacity() <= TAIL_BYTES, "{}", t.0.capacity());
+        }
+        assert_eq!(t.bytes().len(), TAIL_BYTES);
+        assert!(t.bytes().ends_with(b"{\"i\":9999}\n\n"));
     }
 }

@@ -114,10 +114,15 @@ impl WorkerCtx {
             .unwrap_or_else(|| Vec::with_capacity(crate::limits::RELAY_READ_BUF_BYTES))
     }
 
-    /// Give a relay buffer back for reuse (dropped when enough are spare or it grew).
+    /// Give a relay buffer back for reuse (dropped when enough are spare, or when it grew
+    /// or shrank: a streaming relay may end with a small one).
     pub fn put_buf(&self, mut b: Vec<u8>) {
         let mut bufs = self.bufs.borrow_mut();
-        if bufs.len() < SPARE_BUFS_MAX && b.capacity() <= 4 * crate::limits::RELAY_READ_BUF_BYTES {
+        let cap = b.capacity();
+        let full_size = (crate::limits::RELAY_READ_BUF_BYTES
+            ..=4 * crate::limits::RELAY_READ_BUF_BYTES)
+            .contains(&cap);
+        if bufs.len() < SPARE_BUFS_MAX && full_size {
             b.clear();
             bufs.push(b);
         }
