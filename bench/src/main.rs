@@ -17,8 +17,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+mod sse;
+
 const USAGE: &str = "\
 usage: warmroute-bench replay --target URL [options]
+       warmroute-bench sse --target URL [options]   (concurrent SSE streams; sse --help)
 
 Replay N multi-turn conversations (growing history, streaming) against URL
 (http://HOST:PORT/PATH, PATH ending in /v1/chat/completions) and report TTFT and cache hits.
@@ -40,6 +43,7 @@ options:
   --max-attempts N      tries per turn on 429/5xx/connection errors (default 40)
   --label TEXT          copied into the output JSON
   --out FILE            write the JSON result here (default: stdout)
+  --records FILE        also write one JSON line per turn (session, turn, ttft_ms, tokens)
   --quiet               no progress lines on stderr
 ";
 
@@ -68,6 +72,7 @@ struct Opts {
     max_attempts: u32,
     label: String,
     out: Option<String>,
+    records: Option<String>,
     quiet: bool,
 }
 
@@ -120,6 +125,7 @@ fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
         max_attempts: 40,
         label: String::new(),
         out: None,
+        records: None,
         quiet: false,
     };
     while let Some(arg) = it.next() {
@@ -165,6 +171,7 @@ fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
             "--max-attempts" => o.max_attempts = num(flag, &v)?,
             "--label" => o.label = v,
             "--out" => o.out = Some(v),
+            "--records" => o.records = Some(v),
             _ => return Err(format!("unknown argument {arg:?}")),
         }
     }
@@ -232,6 +239,8 @@ struct Outcome {
     content: String,
     prompt_tokens: Option<u64>,
     cached_tokens: Option<u64>,
+    /// llama.cpp's `timings.prompt_ms` (the engine's own prefill time, queueing excluded).
+    engine_prompt_ms: Option<f64>,
     peer: Option<String>,
     mode: Option<String>,
     error: Option<String>,
@@ -340,6 +349,8 @@ impl Conn {
                 "content-length" => length = v.parse().ok(),
                 "connection" => close = v.eq_ignore_ascii_case("close"),
                 "x-mock-peer" => out.peer = Some(v.to_string()),
+                // A router's own answer (warmroute) when the backend names no peer itself.
+                "x-routed-peer" if out.peer.is_none() => out.peer = Some(v.to_string()),
                 "x-routed-mode" => out.mode = Some(v.to_string()),
                 _ => {}
             }
@@ -476,6 +487,9 @@ fn frame_event(frame: &[u8], t0: Instant, out: &mut Outcome) {
                 .unwrap_or(0),
         );
     }
+    if let Some(ms) = v.pointer("/timings/prompt_ms").and_then(Value::as_f64) {
+        out.engine_prompt_ms = Some(ms);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -500,6 +514,7 @@ struct TurnRec {
     prompt_tokens: u64,
     cached_tokens: u64,
     ideal_cached: u64,
+    engine_prompt_ms: Option<f64>,
     peer: Option<String>,
     mode: Option<String>,
     /// Modes of the failed attempts before this turn's final one (spills that were refused).
@@ -581,6 +596,7 @@ fn run_session(
             prompt_tokens: 0,
             cached_tokens: 0,
             ideal_cached: ideal,
+            engine_prompt_ms: None,
             peer: None,
             mode: None,
             failed_modes: Vec::new(),
@@ -604,6 +620,7 @@ fn run_session(
                 rec.total_ms = r.total.as_secs_f64() * 1e3;
                 rec.prompt_tokens = r.prompt_tokens.unwrap_or(0);
                 rec.cached_tokens = r.cached_tokens.unwrap_or(0);
+                rec.engine_prompt_ms = r.engine_prompt_ms;
                 reply = r.content;
                 break;
             }
@@ -818,6 +835,30 @@ fn summarize(o: &Opts, recs: &mut [TurnRec], wall: Duration) -> Value {
     })
 }
 
+/// One JSON line per turn, for pooling the turns of several replays (bench/engine_report.py).
+fn write_records(path: &str, recs: &[TurnRec]) -> std::io::Result<()> {
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+    for r in recs {
+        let line = json!({
+            "session": r.session,
+            "turn": r.turn,
+            "ok": r.ok,
+            "status": r.status,
+            "attempts": r.attempts,
+            "ttft_ms": r.ttft_ms.map(round3),
+            "ttft_turn_ms": r.ttft_turn_ms.map(round3),
+            "total_ms": round3(r.total_ms),
+            "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens,
+            "ideal_cached": r.ideal_cached,
+            "engine_prompt_ms": r.engine_prompt_ms.map(round3),
+            "peer": r.peer,
+        });
+        writeln!(f, "{line}")?;
+    }
+    f.flush()
+}
+
 fn replay(o: Opts) -> Result<Value, String> {
     let o = Arc::new(o);
     let recs = Arc::new(Mutex::new(Vec::with_capacity(o.sessions * o.turns)));
@@ -872,11 +913,18 @@ fn replay(o: Opts) -> Result<Value, String> {
     stop.store(true, Ordering::Relaxed);
     let _ = progress.join();
     let mut recs = std::mem::take(&mut *recs.lock().expect("records lock"));
-    Ok(summarize(&o, &mut recs, wall))
+    let summary = summarize(&o, &mut recs, wall);
+    if let Some(path) = &o.records {
+        write_records(path, &recs).map_err(|e| format!("cannot write {path}: {e}"))?;
+    }
+    Ok(summary)
 }
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("sse") {
+        return sse::main(&args[1..]);
+    }
     let o = match parse_args(&args) {
         Ok(Some(o)) => o,
         Ok(None) => {
