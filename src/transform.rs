@@ -772,10 +772,12 @@ fn structural(
 fn has_usage_object(data: &[u8]) -> bool {
     const K: &[u8] = b"\"usage\"";
     let mut from = 0;
-    while let Some(p) = data
-        .get(from..)
-        .and_then(|d| d.windows(K.len()).position(|w| w == K))
-    {
+    // Quote by quote: one byte compare per position instead of a 7-byte window.
+    while let Some(p) = data.get(from..).and_then(|d| {
+        d.iter()
+            .enumerate()
+            .position(|(i, &b)| b == b'"' && d[i..].starts_with(K))
+    }) {
         let mut i = skip_ws(data, from + p + K.len());
         if data.get(i) == Some(&b':') {
             i = skip_ws(data, i + 1);
@@ -813,6 +815,14 @@ fn look_at_data(data: &[u8]) -> DataLook {
             }
             Err(e) if e.is_eof() => DataLook::Incomplete,
             Err(_) => DataLook::Done(false, None),
+        }
+    } else if matches!(data.get(skip_ws(data, 0)), Some(b'{' | b'[')) {
+        // Not a usage frame; only whether more lines could complete it matters, and a
+        // structural pass (strings, brackets) tells that without validating every token.
+        if crate::usage::container_is_cut(data) {
+            DataLook::Incomplete
+        } else {
+            DataLook::Done(false, None)
         }
     } else {
         match serde_json::from_slice::<serde::de::IgnoredAny>(data) {
@@ -1119,6 +1129,10 @@ impl UsageFrameFilter {
 
 /// Usage from the tail of an SSE stream: the last `data:` frame carrying a `usage` object.
 pub fn usage_from_sse(tail: &[u8]) -> Option<Usage> {
+    if !has_usage_object(tail) {
+        // Most streams carry no usage: one pass over the tail, no per-line work.
+        return None;
+    }
     tail.split(|&b| b == b'\n' || b == b'\r')
         .rev()
         .filter_map(data_value)

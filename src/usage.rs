@@ -72,6 +72,15 @@ pub fn usage_in_json_tail(tail: &[u8]) -> Option<Usage> {
     usage_from_slice(&tail[open..])
 }
 
+/// Whether the JSON object or array that `data` starts with (after whitespace) is cut short:
+/// its closing bracket is not in `data`. Structural only: strings and their escapes, and
+/// brackets, are followed; other tokens are not validated.
+pub fn container_is_cut(data: &[u8]) -> bool {
+    let mut sc = Scan { b: data, i: 0 };
+    sc.ws();
+    matches!(sc.peek(), Some(b'{' | b'[')) && sc.skip().is_none()
+}
+
 /// What one object holds of interest: its own counts and, read when `depth` allows, the
 /// counts of its `usage` object and the `cached_tokens` of its `prompt_tokens_details`.
 #[derive(Default, Clone, Copy)]
@@ -333,6 +342,39 @@ mod tests {
         }
         // The generator reaches the nested case (usage → details → cached).
         assert!(found > 10, "{found}");
+    }
+
+    #[test]
+    fn cut_containers_are_told_from_complete_ones() {
+        for (data, cut) in [
+            (&br#"{"a":"}","b":[1,{"c":2}]}"#[..], false),
+            (br#"  [1, "x\"]", {}]  "#, false),
+            (br#"{"a":"}""#, true),
+            (br#"{"a":[1,2"#, true),
+            (br#"{"a":"x\"#, true),
+            (b"{", true),
+            (b"", false),
+            (b"42", false),
+        ] {
+            assert_eq!(
+                container_is_cut(data),
+                cut,
+                "{}",
+                String::from_utf8_lossy(data)
+            );
+        }
+        // Every proper prefix of an object is cut (whatever token it ends in: where
+        // serde_json calls it an end of input, and where it calls a cut number invalid),
+        // the whole object is not.
+        let v = br#"{"id":"c\"1","choices":[{"delta":{"content":"a}b]c"}}],"n":[1.5e3,true,null]}"#;
+        for cut in 1..v.len() {
+            assert!(container_is_cut(&v[..cut]), "{cut}");
+            let eof = serde_json::from_slice::<serde::de::IgnoredAny>(&v[..cut])
+                .err()
+                .is_some_and(|e| e.is_eof());
+            assert!(!eof || container_is_cut(&v[..cut]));
+        }
+        assert!(!container_is_cut(v));
     }
 
     #[test]
