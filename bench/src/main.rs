@@ -925,23 +925,61 @@ fn main() -> ExitCode {
     if args.first().map(String::as_str) == Some("sse") {
         return sse::main(&args[1..]);
     }
-    let o = match parse_args(&args) {
+    let parsed = parse_args(&args);
+    run_cli(
+        "warmroute-bench",
+        USAGE,
+        parsed,
+        |o: &Opts| (o.out.clone(), o.quiet),
+        replay,
+        |v| {
+            let t = &v["totals"];
+            format!(
+                "  {}: hit {} (ideal {}), ttft p50/p99 first {}/{} later {}/{} ms, sticky {}, fallback {}, 429 {}, 5xx {}, failed {}, {:.1}s",
+                v["label"].as_str().unwrap_or(""),
+                t["hit_rate"],
+                t["ideal_hit_rate"],
+                t["ttft_first_turn_ms"]["p50"],
+                t["ttft_first_turn_ms"]["p99"],
+                t["ttft_later_turns_ms"]["p50"],
+                t["ttft_later_turns_ms"]["p99"],
+                t["stickiness"],
+                t["hash_fallback"],
+                t["status_429"],
+                t["status_5xx"],
+                t["failed_turns"],
+                t["wall_s"].as_f64().unwrap_or(0.0),
+            )
+        },
+    )
+}
+
+/// Every subcommand's shape: parse the arguments (`Ok(None)`: print the usage), run, write
+/// the JSON result to `--out` or stdout, then print `summary` of it unless `--quiet`.
+pub(crate) fn run_cli<O>(
+    name: &str,
+    usage: &str,
+    parsed: Result<Option<O>, String>,
+    out_quiet: impl Fn(&O) -> (Option<String>, bool),
+    run: impl FnOnce(O) -> Result<Value, String>,
+    summary: impl FnOnce(&Value) -> String,
+) -> ExitCode {
+    let o = match parsed {
         Ok(Some(o)) => o,
         Ok(None) => {
-            print!("{USAGE}");
+            print!("{usage}");
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            eprintln!("warmroute-bench: {e}\n(see --help)");
+            eprintln!("{name}: {e}\n(see --help)");
             return ExitCode::from(2);
         }
     };
-    let out = o.out.clone();
-    let quiet = o.quiet;
-    let v = match replay(o) {
+    let (out, quiet) = out_quiet(&o);
+    let v = match run(o) {
         Ok(v) => v,
         Err(e) => {
-            eprintln!("warmroute-bench: {e}");
+            eprintln!("{name}: {e}");
             return ExitCode::from(1);
         }
     };
@@ -949,30 +987,14 @@ fn main() -> ExitCode {
     match out {
         Some(path) => {
             if let Err(e) = std::fs::write(&path, text + "\n") {
-                eprintln!("warmroute-bench: cannot write {path}: {e}");
+                eprintln!("{name}: cannot write {path}: {e}");
                 return ExitCode::from(1);
             }
         }
         None => println!("{text}"),
     }
     if !quiet {
-        let t = &v["totals"];
-        eprintln!(
-            "  {}: hit {} (ideal {}), ttft p50/p99 first {}/{} later {}/{} ms, sticky {}, fallback {}, 429 {}, 5xx {}, failed {}, {:.1}s",
-            v["label"].as_str().unwrap_or(""),
-            t["hit_rate"],
-            t["ideal_hit_rate"],
-            t["ttft_first_turn_ms"]["p50"],
-            t["ttft_first_turn_ms"]["p99"],
-            t["ttft_later_turns_ms"]["p50"],
-            t["ttft_later_turns_ms"]["p99"],
-            t["stickiness"],
-            t["hash_fallback"],
-            t["status_429"],
-            t["status_5xx"],
-            t["failed_turns"],
-            t["wall_s"].as_f64().unwrap_or(0.0),
-        );
+        eprintln!("{}", summary(&v));
     }
     ExitCode::SUCCESS
 }

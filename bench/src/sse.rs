@@ -888,60 +888,36 @@ fn run_sse(o: Opts) -> Result<Value, String> {
 
 /// Entry point of `warmroute-bench sse ARGS...` (ARGS without the subcommand).
 pub fn main(args: &[String]) -> ExitCode {
-    let o = match parse_args(args) {
-        Ok(Some(o)) => o,
-        Ok(None) => {
-            print!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("warmroute-bench sse: {e}\n(see --help)");
-            return ExitCode::from(2);
-        }
-    };
-    let out = o.out.clone();
-    let quiet = o.quiet;
-    let v = match run_sse(o) {
-        Ok(v) => v,
-        Err(e) => {
-            eprintln!("warmroute-bench sse: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    let text = serde_json::to_string_pretty(&v).expect("json");
-    match out {
-        Some(path) => {
-            if let Err(e) = std::fs::write(&path, text + "\n") {
-                eprintln!("warmroute-bench sse: cannot write {path}: {e}");
-                return ExitCode::from(1);
-            }
-        }
-        None => println!("{text}"),
-    }
-    if !quiet {
-        let s = &v["streams"];
-        let g = &v["gap_extra_ms"];
-        eprintln!(
-            "  {}: {}/{} completed, {} failed {}, events {}, coalesced {}, gap extra p50/p99/p999/max {}/{}/{}/{} ms (steady window: p99 {} ms, coalesced {}), ttfe p50/p99 {}/{} ms, {:.1}s",
-            v["label"].as_str().unwrap_or(""),
-            s["completed"],
-            s["target"],
-            s["failed"],
-            s["failures"],
-            v["events"]["total"],
-            v["events"]["coalesced_token_events"],
-            g["p50"],
-            g["p99"],
-            g["p999"],
-            g["max"],
-            v["steady"]["gap_extra_ms"]["p99"],
-            v["steady"]["coalesced_token_events"],
-            v["ttfe_ms"]["p50"],
-            v["ttfe_ms"]["p99"],
-            v["wall_s"].as_f64().unwrap_or(0.0),
-        );
-    }
-    ExitCode::SUCCESS
+    crate::run_cli(
+        "warmroute-bench sse",
+        USAGE,
+        parse_args(args),
+        |o: &Opts| (o.out.clone(), o.quiet),
+        run_sse,
+        |v| {
+            let s = &v["streams"];
+            let g = &v["gap_extra_ms"];
+            format!(
+                "  {}: {}/{} completed, {} failed {}, events {}, coalesced {}, gap extra p50/p99/p999/max {}/{}/{}/{} ms (steady window: p99 {} ms, coalesced {}), ttfe p50/p99 {}/{} ms, {:.1}s",
+                v["label"].as_str().unwrap_or(""),
+                s["completed"],
+                s["target"],
+                s["failed"],
+                s["failures"],
+                v["events"]["total"],
+                v["events"]["coalesced_token_events"],
+                g["p50"],
+                g["p99"],
+                g["p999"],
+                g["max"],
+                v["steady"]["gap_extra_ms"]["p99"],
+                v["steady"]["coalesced_token_events"],
+                v["ttfe_ms"]["p50"],
+                v["ttfe_ms"]["p99"],
+                v["wall_s"].as_f64().unwrap_or(0.0),
+            )
+        },
+    )
 }
 
 #[cfg(test)]
