@@ -768,26 +768,12 @@ fn structural(
 // Response side: usage-only frames
 // ---------------------------------------------------------------------------------------------
 
-/// Cheap pre-check: some `"usage"` key whose value is an object.
+/// Cheap pre-check: some `"usage"` key whose value is an object. A literal-prefixed regex,
+/// so the search runs at memchr speed over event data and stream tails.
 fn has_usage_object(data: &[u8]) -> bool {
-    const K: &[u8] = b"\"usage\"";
-    let mut from = 0;
-    // Quote by quote: one byte compare per position instead of a 7-byte window.
-    while let Some(p) = data.get(from..).and_then(|d| {
-        d.iter()
-            .enumerate()
-            .position(|(i, &b)| b == b'"' && d[i..].starts_with(K))
-    }) {
-        let mut i = skip_ws(data, from + p + K.len());
-        if data.get(i) == Some(&b':') {
-            i = skip_ws(data, i + 1);
-            if data.get(i) == Some(&b'{') {
-                return true;
-            }
-        }
-        from += p + 1;
-    }
-    false
+    static R: OnceLock<BytesRegex> = OnceLock::new();
+    R.get_or_init(|| BytesRegex::new(r#""usage"[ \t\n\r]*:[ \t\n\r]*\{"#).expect("valid regex"))
+        .is_match(data)
 }
 
 fn usage_only_value(v: &Value) -> bool {
@@ -1709,6 +1695,18 @@ mod tests {
         f.finish(&mut out);
         assert_eq!(out, big.as_bytes());
         assert_eq!(f.removed(), 0);
+    }
+
+    #[test]
+    fn usage_object_precheck() {
+        assert!(has_usage_object(
+            br#"{"choices":[],"usage":{"prompt_tokens":1}}"#
+        ));
+        assert!(has_usage_object(b"{\"usage\" \r\n: \t{}}"));
+        assert!(!has_usage_object(br#"{"usage":null}"#));
+        assert!(!has_usage_object(br#"{"content":"usage: {x}","usage":7}"#));
+        assert!(!has_usage_object(br#"{"usages":{}}"#));
+        assert!(!has_usage_object(b""));
     }
 
     #[test]
