@@ -77,8 +77,8 @@ impl Tail {
             self.0.drain(..over);
         }
         if self.0.capacity() - self.0.len() < d.len() {
-            // Grow straight to the final size: a doubling Vec would end near 6 KiB per
-            // stream for a 4 KiB tail.
+            // Grow straight to the final size: a doubling Vec overshoots it by up to half
+            // again, held by every open stream.
             self.0.reserve_exact(TAIL_BYTES - self.0.len());
         }
         self.0.extend_from_slice(d);
