@@ -58,6 +58,25 @@ const SMALL_READ_BUF_BYTES: usize = 2048;
 /// Small reads in a row before the relay switches to the small buffer.
 const SMALL_READS_TO_SHRINK: u32 = 4;
 
+/// The read buffer size after `small_reads` small reads in a row.
+fn read_buf_bytes(small_reads: u32) -> usize {
+    if small_reads >= SMALL_READS_TO_SHRINK {
+        SMALL_READ_BUF_BYTES
+    } else {
+        RELAY_READ_BUF_BYTES
+    }
+}
+
+/// The small-read streak after a read of `n` bytes into a `cap`-byte buffer: a read that
+/// filled its buffer or took more than half the small buffer ends it.
+fn count_small_read(streak: u32, n: usize, cap: usize) -> u32 {
+    if n == cap || n > SMALL_READ_BUF_BYTES / 2 {
+        0
+    } else {
+        streak.saturating_add(1)
+    }
+}
+
 /// The last `TAIL_BYTES` bytes of a body, kept as it streams past.
 #[derive(Debug, Default, Clone)]
 pub struct Tail(Vec<u8>);
@@ -293,11 +312,7 @@ pub async fn relay(
         // mostly waits holds 2 KiB instead of 16; a read that fills it switches back.
         pending.clear();
         pstart = 0;
-        let want = if small_reads >= SMALL_READS_TO_SHRINK {
-            SMALL_READ_BUF_BYTES
-        } else {
-            RELAY_READ_BUF_BYTES
-        };
+        let want = read_buf_bytes(small_reads);
         if pending.capacity() < want {
             pending.reserve(want);
         } else if pending.capacity() > 2 * want {
@@ -330,13 +345,7 @@ pub async fn relay(
                     Some(pending),
                 );
             }
-            Ok(n) => {
-                if n == cap || n > SMALL_READ_BUF_BYTES / 2 {
-                    small_reads = 0;
-                } else {
-                    small_reads = small_reads.saturating_add(1);
-                }
-            }
+            Ok(n) => small_reads = count_small_read(small_reads, n, cap),
         }
     }
 }
@@ -368,6 +377,28 @@ mod tests {
         t.push(b"END");
         assert_eq!(t.bytes().len(), TAIL_BYTES);
         assert!(t.bytes().ends_with(b"xxEND"));
+    }
+
+    #[test]
+    fn a_token_stream_reads_into_the_small_buffer_and_a_burst_switches_back() {
+        // A stream of ~200-byte events: after the streak, the relay holds 2 KiB, not 16.
+        let mut streak = 0;
+        let mut sizes = Vec::new();
+        for _ in 0..6 {
+            let cap = read_buf_bytes(streak);
+            sizes.push(cap);
+            streak = count_small_read(streak, 200, cap);
+        }
+        assert_eq!(&sizes[..4], &[RELAY_READ_BUF_BYTES; 4]);
+        assert_eq!(&sizes[4..], &[SMALL_READ_BUF_BYTES; 2]);
+        // A read that fills the small buffer (a burst) goes back to the full size at once.
+        streak = count_small_read(streak, SMALL_READ_BUF_BYTES, SMALL_READ_BUF_BYTES);
+        assert_eq!(read_buf_bytes(streak), RELAY_READ_BUF_BYTES);
+        // Large reads never shrink it.
+        for _ in 0..10 {
+            streak = count_small_read(streak, 9000, RELAY_READ_BUF_BYTES);
+        }
+        assert_eq!(read_buf_bytes(streak), RELAY_READ_BUF_BYTES);
     }
 
     #[test]
