@@ -76,13 +76,14 @@ struct Opts {
     quiet: bool,
 }
 
-fn num<T: std::str::FromStr>(flag: &str, v: &str) -> Result<T, String> {
+pub(crate) fn num<T: std::str::FromStr>(flag: &str, v: &str) -> Result<T, String> {
     v.trim()
         .parse()
         .map_err(|_| format!("invalid value for {flag}: {v:?}"))
 }
 
-fn parse_target(url: &str) -> Result<(String, SocketAddr, String), String> {
+/// `http://HOST:PORT/PATH` → (HOST:PORT, its address, PATH; `/v1/chat/completions` if none).
+pub(crate) fn parse_target(url: &str) -> Result<(String, SocketAddr, String), String> {
     let rest = url
         .strip_prefix("http://")
         .ok_or("--target must start with http:// (no TLS)")?;
@@ -96,6 +97,40 @@ fn parse_target(url: &str) -> Result<(String, SocketAddr, String), String> {
         .next()
         .ok_or_else(|| format!("no address for {hostport}"))?;
     Ok((hostport.to_string(), addr, path.to_string()))
+}
+
+/// A subcommand's options as (flag, value) pairs, from `--flag value` or `--flag=value`,
+/// and whether `--quiet` (which takes no value) was given. `Ok(None)` for `-h`/`--help`.
+pub(crate) type Flags = (Vec<(String, String)>, bool);
+
+pub(crate) fn flag_pairs<'a>(
+    mut it: impl Iterator<Item = &'a String>,
+) -> Result<Option<Flags>, String> {
+    let mut pairs = Vec::new();
+    let mut quiet = false;
+    while let Some(arg) = it.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
+            _ => (arg.as_str(), None),
+        };
+        match flag {
+            "-h" | "--help" => return Ok(None),
+            "--quiet" => {
+                quiet = true;
+                continue;
+            }
+            _ => {}
+        }
+        let v = match inline {
+            Some(v) => v,
+            None => it
+                .next()
+                .cloned()
+                .ok_or_else(|| format!("missing value for {flag}"))?,
+        };
+        pairs.push((flag.to_string(), v));
+    }
+    Ok(Some((pairs, quiet)))
 }
 
 fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
@@ -128,26 +163,12 @@ fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
         records: None,
         quiet: false,
     };
-    while let Some(arg) = it.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
-            _ => (arg.as_str(), None),
-        };
-        match flag {
-            "-h" | "--help" => return Ok(None),
-            "--quiet" => {
-                o.quiet = true;
-                continue;
-            }
-            _ => {}
-        }
-        let v = match inline {
-            Some(v) => v,
-            None => it
-                .next()
-                .cloned()
-                .ok_or_else(|| format!("missing value for {flag}"))?,
-        };
+    let Some((pairs, quiet)) = flag_pairs(it)? else {
+        return Ok(None);
+    };
+    o.quiet = quiet;
+    for (flag, v) in pairs {
+        let flag = flag.as_str();
         match flag {
             "--target" => o.target = v,
             "--sessions" => o.sessions = num(flag, &v)?,
@@ -172,7 +193,7 @@ fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
             "--label" => o.label = v,
             "--out" => o.out = Some(v),
             "--records" => o.records = Some(v),
-            _ => return Err(format!("unknown argument {arg:?}")),
+            _ => return Err(format!("unknown argument {flag:?}")),
         }
     }
     if o.target.is_empty() {

@@ -16,7 +16,7 @@
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::rc::Rc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -25,6 +25,8 @@ use monoio::buf::IoBufMut;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
 use serde_json::{json, Value};
+
+use crate::{flag_pairs, num, parse_target};
 
 const USAGE: &str = "\
 usage: warmroute-bench sse --target URL [options]
@@ -84,12 +86,6 @@ struct Opts {
     quiet: bool,
 }
 
-fn num<T: std::str::FromStr>(flag: &str, v: &str) -> Result<T, String> {
-    v.trim()
-        .parse()
-        .map_err(|_| format!("invalid value for {flag}: {v:?}"))
-}
-
 fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
     let mut o = Opts {
         target: String::new(),
@@ -114,27 +110,12 @@ fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
         dump_events: None,
         quiet: false,
     };
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
-            _ => (arg.as_str(), None),
-        };
-        match flag {
-            "-h" | "--help" => return Ok(None),
-            "--quiet" => {
-                o.quiet = true;
-                continue;
-            }
-            _ => {}
-        }
-        let v = match inline {
-            Some(v) => v,
-            None => it
-                .next()
-                .cloned()
-                .ok_or_else(|| format!("missing value for {flag}"))?,
-        };
+    let Some((pairs, quiet)) = flag_pairs(args.iter())? else {
+        return Ok(None);
+    };
+    o.quiet = quiet;
+    for (flag, v) in pairs {
+        let flag = flag.as_str();
         match flag {
             "--target" => o.target = v,
             "--streams" => o.streams = num(flag, &v)?,
@@ -153,7 +134,7 @@ fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
             "--label" => o.label = v,
             "--out" => o.out = Some(v),
             "--dump-events" => o.dump_events = Some(v),
-            _ => return Err(format!("unknown argument {arg:?}")),
+            _ => return Err(format!("unknown argument {flag:?}")),
         }
     }
     if o.target.is_empty() {
@@ -178,21 +159,10 @@ fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
     if !(o.stream_timeout_s.is_finite() && o.stream_timeout_s > 0.0) {
         o.stream_timeout_s = 30.0 + 2.0 * f64::from(o.max_tokens) / o.decode_tps;
     }
-    let rest = o
-        .target
-        .strip_prefix("http://")
-        .ok_or("--target must start with http:// (no TLS)")?;
-    let (hostport, path) = match rest.find('/') {
-        Some(i) => (&rest[..i], &rest[i..]),
-        None => (rest, "/v1/chat/completions"),
-    };
-    o.addr = hostport
-        .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {hostport}: {e}"))?
-        .next()
-        .ok_or_else(|| format!("no address for {hostport}"))?;
-    o.host = hostport.to_string();
-    o.path = path.to_string();
+    let (host, addr, path) = parse_target(&o.target)?;
+    o.host = host;
+    o.addr = addr;
+    o.path = path;
     Ok(Some(o))
 }
 
