@@ -220,13 +220,8 @@ eng_replay() {
 
 scenario_engine() {
   local scenario=engine
-  local ts
-  ts=$(date -u +%Y%m%dT%H%M%SZ)
-  WORK=$OUT_DIR/$scenario-$ts
-  mkdir -p "$WORK/runs"
-  : >"$WORK/commands.txt"
-  cut -d' ' -f1-3 /proc/loadavg >"$WORK/loadavg-before"
-  log "scenario $scenario; work dir $WORK"
+  begin_scenario "$scenario"
+  local ts=$TS
   [[ -x $BIN_DIR/warmroute-bench ]] || die "missing $BIN_DIR/warmroute-bench"
   engine_install
   local sessions=${ENG_SESSIONS:-$((ENG_SESSIONS_PER_ENGINE * ENG_ENGINES))}

@@ -148,13 +148,8 @@ sse_preflight() {
 
 scenario_sse() {
   local scenario=sse
-  local ts
-  ts=$(date -u +%Y%m%dT%H%M%SZ)
-  WORK=$OUT_DIR/$scenario-$ts
-  mkdir -p "$WORK/runs"
-  : >"$WORK/commands.txt"
-  cut -d' ' -f1-3 /proc/loadavg >"$WORK/loadavg-before"
-  log "scenario $scenario; work dir $WORK"
+  begin_scenario "$scenario"
+  local ts=$TS
   local driver=$BIN_DIR/warmroute-bench
   [[ -x $driver ]] || die "missing $driver"
   local parties counts
