@@ -14,7 +14,7 @@ import sys
 from datetime import datetime, timezone
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import machine_info, read, update_md  # noqa: E402
+from report import add_common_args, machine_info, read, update_md  # noqa: E402
 
 PARTY_ORDER = ["wr-crc32", "wr-crc32-bounded", "wr-rendezvous", "wr-noid", "haproxy-sticky", "haproxy-rr"]
 PARTY_TITLES = {
@@ -174,15 +174,9 @@ def draw_chart(path, runs):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--results-md", default="")
-    ap.add_argument("--timestamp", required=True)
-    ap.add_argument("--git", default="unknown")
-    ap.add_argument("--chart", default="")
+    add_common_args(ap, "bench/run affinity")
     ap.add_argument("--proxy-cpu", default="")
     ap.add_argument("--load-cpu", default="")
-    ap.add_argument("--command", default="bench/run affinity")
     ap.add_argument("--mock", default="")
     args = ap.parse_args()
     mock = args.mock.split()

@@ -20,7 +20,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import machine_info, read, update_md  # noqa: E402
+from report import add_common_args, machine_info, read, update_md  # noqa: E402
 
 PARTY_TITLES = {
     "direct": "single warm backend (direct, 1 conversation per engine)",
@@ -439,12 +439,7 @@ def draw_chart(path, parties):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--results-md", default="")
-    ap.add_argument("--timestamp", required=True)
-    ap.add_argument("--git", default="unknown")
-    ap.add_argument("--chart", default="")
+    add_common_args(ap, "bench/run engine")
     ap.add_argument("--parties", default="direct wr-crc32 haproxy-sticky haproxy-rr")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--sessions", type=int, default=8)
@@ -455,7 +450,6 @@ def main():
     ap.add_argument("--cache-ram", default="default")
     ap.add_argument("--pin", default="1")
     ap.add_argument("--build-seconds", default="unknown")
-    ap.add_argument("--command", default="bench/run engine")
     args = ap.parse_args()
     parties = [summarize(args.work, p, args.engines) for p in args.parties.split()]
     parties = [p for p in parties if p["turns"]]

@@ -517,14 +517,23 @@ def update_md(path, scenario, section):
         f.write(text)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("scenario")
+def add_common_args(ap, command=""):
+    """The arguments bench/run gives every scenario report: its work directory, the JSON file to
+    write, the RESULTS.md to update, the run's timestamp and git revision, the chart path and
+    the command line to quote."""
     ap.add_argument("--work", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--results-md", default="")
     ap.add_argument("--timestamp", required=True)
     ap.add_argument("--git", default="unknown")
+    ap.add_argument("--chart", default="")
+    ap.add_argument("--command", default=command)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    add_common_args(ap)
+    ap.add_argument("scenario")
     ap.add_argument("--driver", default="unknown")
     ap.add_argument("--backend", default="nginx")
     ap.add_argument("--conns", type=int, default=32)
@@ -540,8 +549,6 @@ def main():
     ap.add_argument("--router-versions", default="")
     ap.add_argument("--lua-module-dir", default="")
     ap.add_argument("--target-dir", default="target")
-    ap.add_argument("--chart", default="")
-    ap.add_argument("--command", default="")
     args = ap.parse_args()
     args.work_prefix = args.work.rstrip("/") + "/"
 

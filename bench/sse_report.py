@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 
 sys.dont_write_bytecode = True  # no bench/__pycache__ from importing report.py
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import machine_info, read, update_md  # noqa: E402
+from report import add_common_args, machine_info, read, update_md  # noqa: E402
 
 PARTY_ORDER = ["direct", "warmroute", "nginx"]
 PARTY_TITLES = {
@@ -322,13 +322,7 @@ def draw_chart(path, runs):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--results-md", default="")
-    ap.add_argument("--timestamp", required=True)
-    ap.add_argument("--git", default="unknown")
-    ap.add_argument("--chart", default="")
-    ap.add_argument("--command", default="bench/run sse")
+    add_common_args(ap, "bench/run sse")
     ap.add_argument("--mock", default="")
     ap.add_argument("--settle-s", default="1")
     ap.add_argument("--window-s", default="15")
