@@ -55,6 +55,25 @@ impl PoolRt {
             })
             .collect()
     }
+
+    /// The session's key in the segment's placement table: the session id within this pool.
+    pub fn session_key(&self, sid: &[u8]) -> u64 {
+        use crate::pipeline::peer_select::{fnv1a64, mix64};
+        mix64(fnv1a64(sid) ^ mix64(u64::from(self.slots.ctl.0) + 1))
+    }
+
+    /// The index of the peer the placement table holds for `key`, if it holds one and that
+    /// peer is still in this pool (peers are recorded by address hash, so reloads that reorder
+    /// or drop peers cannot point a session at the wrong one).
+    pub fn placed_peer(&self, seg: &Segment, key: u64, now_s: u64) -> Option<usize> {
+        let tag = seg.session_peer(key, now_s)?;
+        self.peers.iter().position(|p| p.key_hash as u32 == tag)
+    }
+
+    /// Record that the session of `key` now lives on peer `i`.
+    pub fn place_session(&self, seg: &Segment, key: u64, i: usize, now_s: u64) {
+        seg.set_session_peer(key, self.peers[i].key_hash as u32, now_s);
+    }
 }
 
 /// A route with its pools and slots.

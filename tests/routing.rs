@@ -570,3 +570,84 @@ fn debug_endpoints_explain_and_dry_run_routing() {
         );
     }
 }
+
+#[test]
+fn sticky_table_places_new_sessions_by_load_and_keeps_them_there() {
+    // Two sessions that crc32 puts on the same one of two peers.
+    let same: Vec<String> = (0..)
+        .map(|i| format!("conv-{i}"))
+        .filter(|id| crc32fast::hash(id.as_bytes()).is_multiple_of(2))
+        .take(2)
+        .collect();
+    let (a, b) = (same[0].as_str(), same[1].as_str());
+    // Every reply waits a moment, so a request can be held in flight while another arrives.
+    let mocks: Vec<_> = (0..2)
+        .map(|i| mock_with(&format!("m{i}"), |c| c.hang_ms = 400))
+        .collect();
+    let addrs: Vec<SocketAddr> = mocks.iter().map(|m| m.addr()).collect();
+    let env = start(
+        &[
+            ("hashed", route_for(&addrs, "")),
+            (
+                "table",
+                route_for(&addrs, "affinity_hash = \"sticky_table\"\n"),
+            ),
+        ],
+        "",
+    );
+    let send = |route: &str, id: &str| {
+        let r = chat(
+            &env,
+            &format!("/{route}/v1/chat/completions"),
+            json!({"messages": []}),
+            &format!("x-session-id: {id}\r\n"),
+        );
+        assert_eq!(r.status, 200);
+        (
+            r.header("x-routed-peer").unwrap().to_string(),
+            r.header("x-routed-mode").unwrap().to_string(),
+        )
+    };
+    // `first` in flight, then `second` arrives: the peers each lands on.
+    let overlapped = |route: &str, first: &str, second: &str| {
+        std::thread::scope(|s| {
+            let held = s.spawn(|| send(route, first));
+            eventually(Duration::from_secs(5), "first request in flight", || {
+                inflight_total(&env, route) == 1
+            });
+            let later = send(route, second);
+            (held.join().unwrap(), later)
+        })
+    };
+
+    // Control: hashing puts both on one peer, load or not.
+    let ((pa, ma), (pb, mb)) = overlapped("hashed", a, b);
+    assert_eq!((ma.as_str(), mb.as_str()), ("hash", "hash"));
+    assert_eq!(pa, pb, "crc32 pins {a} and {b} together");
+
+    // The table: the second new session goes to the idle peer.
+    let ((pa, ma), (pb, mb)) = overlapped("table", a, b);
+    assert_eq!((ma.as_str(), mb.as_str()), ("least_conn", "least_conn"));
+    assert_ne!(pa, pb, "placed by load, not by hash");
+
+    // Placed sessions stay put: a second turn of `a` while `a` is busy goes to `a`'s peer,
+    // not to the idler one (over fresh connections, whichever worker takes them).
+    let ((pa2, ma2), (pa3, ma3)) = overlapped("table", a, a);
+    assert_eq!((pa2.as_str(), ma2.as_str()), (pa.as_str(), "hash"));
+    assert_eq!((pa3.as_str(), ma3.as_str()), (pa.as_str(), "hash"));
+    assert_eq!(send("table", b), (pb.clone(), "hash".to_string()));
+
+    // The debug endpoint shows the placement without making one.
+    let dbg = request(env.public(), &get(&format!("/table/_route_debug?sid={b}"))).json();
+    assert_eq!(dbg["algorithm"], "sticky_table");
+    assert_eq!(dbg["natural_target"], json!(pb));
+    let fresh = request(env.public(), &get("/table/_route_debug?sid=never-seen")).json();
+    assert_eq!(fresh["natural_target"], serde_json::Value::Null);
+    assert_eq!(fresh["actual_mode"], "least_conn");
+    let again = request(env.public(), &get("/table/_route_debug?sid=never-seen")).json();
+    assert_eq!(
+        again["natural_target"],
+        serde_json::Value::Null,
+        "debug placed nothing"
+    );
+}

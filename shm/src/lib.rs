@@ -8,11 +8,12 @@
 //!   [`LAYOUT_VERSION`] and capacities.
 //! - Layout (every table starts on a 64-byte line): header (stable identity prefix, lease,
 //!   [`GLOBAL_CELLS`] global cells) · worker rows · in-flight matrix `[workers][peers]` (each
-//!   worker's row contiguous) · peer slots · route slots. See [`Layout`].
+//!   worker's row contiguous) · peer slots · route slots · session placements. See [`Layout`].
 //! - Who writes what: a worker row and its in-flight row are written only by the thread that
 //!   claimed it (and by whoever reclaims it after its process died); slot keys are written once
 //!   by the inserter and never change; bans by the health prober and proxying workers; the lease
-//!   by contenders for it; generic cells by whoever the router assigns them to.
+//!   by contenders for it; generic cells by whoever the router assigns them to; session
+//!   placements by any worker (a slot's key by CAS, then its value).
 //! - Slots are permanent: the same key maps to the same slot for the life of the segment, across
 //!   reloads and processes. Capacities are fixed when the segment is created.
 //! - Reinitialising (capacity or version change) truncates the file; it is refused while a live
@@ -39,13 +40,20 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"WRMRTSHM");
 /// Bumped whenever any table's layout changes. The header's identity prefix (magic, version,
 /// capacities, total size, worker-row offset and size, owner pid as the first u32 of a worker
 /// row) never moves, so any version can tell whether a live process owns an older segment.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 /// Generic per-peer u64 cells (counters, EWMAs as f64 bits, ...), meaning defined by the router.
 pub const PEER_CELLS: usize = 32;
 /// Generic per-route u64 cells.
 pub const ROUTE_CELLS: usize = 64;
 /// Generic process-wide cells (toggles, counters).
 pub const GLOBAL_CELLS: usize = 64;
+/// Session placement slots (16 bytes each): how many sessions the segment remembers a peer
+/// for. A full table forgets the least recently used session of the probed window.
+pub const SESSION_SLOTS: u64 = 1 << 16;
+/// Consecutive slots a session key may occupy (its probe window).
+const SESSION_PROBE: u64 = 8;
+/// Bits of a placement's last-use time (seconds, wrapping every ~194 days).
+const SESSION_TIME_BITS: u32 = 24;
 /// Longest slot key in bytes; longer keys get no slot.
 pub const MAX_KEY_BYTES: usize = 119;
 
@@ -182,6 +190,19 @@ struct RouteRow {
 }
 const _: () = assert!(size_of::<RouteRow>() == 704);
 
+/// One session placement. `key` is the session's 64-bit key (never 0 once used; slots are
+/// overwritten, never emptied); `val` packs the peer (high 32 bits), 8 check bits of the key
+/// (bits 24..32) and the last-use time in seconds (low 24 bits). The check bits let a reader
+/// that races a replacement (new key, old value) see the mismatch and read it as absent.
+#[repr(C, align(16))]
+struct SessionRow {
+    /// Writer: any worker, by CAS (an empty or least recently used slot of the window).
+    key: AtomicU64,
+    /// Writer: the worker that last wrote the key, or any reader refreshing the time.
+    val: AtomicU64,
+}
+const _: () = assert!(size_of::<SessionRow>() == 16);
+
 const EMPTY: u32 = 0;
 const WRITING: u32 = 1;
 const READY: u32 = 2;
@@ -208,6 +229,8 @@ unsafe impl ShmSafe for WorkerRow {}
 unsafe impl ShmSafe for PeerRow {}
 // SAFETY: repr(C), atomics only, all-zero is a valid value.
 unsafe impl ShmSafe for RouteRow {}
+// SAFETY: repr(C), atomics only, all-zero is a valid value (an empty slot).
+unsafe impl ShmSafe for SessionRow {}
 // SAFETY: an atomic; all-zero is a valid value.
 unsafe impl ShmSafe for AtomicI64 {}
 // SAFETY: an atomic; all-zero is a valid value.
@@ -222,6 +245,7 @@ pub struct Layout {
     pub inflight_stride: u64,
     pub peers_offset: u64,
     pub routes_offset: u64,
+    pub sessions_offset: u64,
     pub total_size: u64,
 }
 
@@ -247,7 +271,8 @@ impl Layout {
         let inflight_stride = p.div_ceil(8) * 8;
         let peers_offset = inflight_offset + w * inflight_stride * 8;
         let routes_offset = peers_offset + p * size_of::<PeerRow>() as u64;
-        let total_size = routes_offset + r * size_of::<RouteRow>() as u64;
+        let sessions_offset = routes_offset + r * size_of::<RouteRow>() as u64;
+        let total_size = sessions_offset + SESSION_SLOTS * size_of::<SessionRow>() as u64;
         if total_size > MAX_SEGMENT_BYTES {
             return Err(invalid_input(format!(
                 "segment capacities {caps:?} need {total_size} bytes, more than {MAX_SEGMENT_BYTES}"
@@ -259,6 +284,7 @@ impl Layout {
             inflight_stride,
             peers_offset,
             routes_offset,
+            sessions_offset,
             total_size,
         })
     }
@@ -539,7 +565,8 @@ impl Segment {
             && seg.try_worker_rows().is_some()
             && seg.try_inflight().is_some()
             && seg.try_peer_rows().is_some()
-            && seg.try_route_rows().is_some();
+            && seg.try_route_rows().is_some()
+            && seg.try_session_rows().is_some();
         if !ok {
             return Err(invalid_data(format!(
                 "{}: tables do not fit the mapping",
@@ -579,6 +606,10 @@ impl Segment {
             self.layout.routes_offset,
             u64::from(self.caps.routes),
         )
+    }
+
+    fn try_session_rows(&self) -> Option<&[SessionRow]> {
+        view(&self.map, self.layout.sessions_offset, SESSION_SLOTS)
     }
 
     // The `expect`s below hold by construction: `from_map` checked these exact views.
@@ -844,6 +875,81 @@ impl Segment {
         &self.header().globals[i]
     }
 
+    // --- session placements -------------------------------------------------------------------
+
+    /// The peer recorded for session `key` (any u64; 0 is stored as 1), refreshing its last-use
+    /// time to `now_s`. `None` when the table does not hold it (never placed, forgotten, or
+    /// being replaced this instant).
+    pub fn session_peer(&self, key: u64, now_s: u64) -> Option<u32> {
+        let key = session_key(key);
+        let rows = self
+            .try_session_rows()
+            .expect("session rows checked at open");
+        for row in session_window(rows, key) {
+            match row.key.load(Ordering::Acquire) {
+                k if k == key => {
+                    let v = row.val.load(Ordering::Acquire);
+                    if session_check(v) != session_check_of(key) {
+                        return None;
+                    }
+                    let fresh = session_val(key, (v >> 32) as u32, now_s);
+                    if fresh != v {
+                        // Losing this race to another refresh or a replacement is fine.
+                        let _ =
+                            row.val
+                                .compare_exchange(v, fresh, Ordering::AcqRel, Ordering::Relaxed);
+                    }
+                    return Some((v >> 32) as u32);
+                }
+                // Slots are filled front to back and never emptied: the key is not further on.
+                0 => return None,
+                _ => {}
+            }
+        }
+        None
+    }
+
+    /// Record that session `key` lives on `peer`: its own slot if it has one, else the first
+    /// empty slot of its window, else the window's least recently used one. Two workers placing
+    /// the same new session at once both succeed; the later value stands.
+    pub fn set_session_peer(&self, key: u64, peer: u32, now_s: u64) {
+        let key = session_key(key);
+        let rows = self
+            .try_session_rows()
+            .expect("session rows checked at open");
+        let val = session_val(key, peer, now_s);
+        for _ in 0..4 {
+            let mut victim: Option<(&SessionRow, u64, u64)> = None; // row, its key, its age
+            for row in session_window(rows, key) {
+                let k = row.key.load(Ordering::Acquire);
+                if k == key {
+                    row.val.store(val, Ordering::Release);
+                    return;
+                }
+                if k == 0 {
+                    victim = Some((row, 0, u64::MAX));
+                    break;
+                }
+                let age = session_age(row.val.load(Ordering::Relaxed), now_s);
+                if victim.is_none_or(|(_, _, a)| age > a) {
+                    victim = Some((row, k, age));
+                }
+            }
+            let Some((row, old, _)) = victim else {
+                return;
+            };
+            if row
+                .key
+                .compare_exchange(old, key, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                row.val.store(val, Ordering::Release);
+                return;
+            }
+            // Another worker took that slot first: look again.
+        }
+    }
+
     // --- lease --------------------------------------------------------------------------------
 
     /// Acquire the lease if it is free or expired, or renew it if `holder` (non-zero) already
@@ -1062,6 +1168,35 @@ pub fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+fn session_key(key: u64) -> u64 {
+    key.max(1)
+}
+
+fn session_check_of(key: u64) -> u64 {
+    (key >> 56) & 0xff
+}
+
+fn session_check(val: u64) -> u64 {
+    (val >> SESSION_TIME_BITS) & 0xff
+}
+
+fn session_val(key: u64, peer: u32, now_s: u64) -> u64 {
+    let time = now_s & ((1 << SESSION_TIME_BITS) - 1);
+    (u64::from(peer) << 32) | (session_check_of(key) << SESSION_TIME_BITS) | time
+}
+
+/// Seconds since the value's last use, modulo the time field's range.
+fn session_age(val: u64, now_s: u64) -> u64 {
+    let mask = (1 << SESSION_TIME_BITS) - 1;
+    now_s.wrapping_sub(val & mask) & mask
+}
+
+/// The probe window of `key`: `SESSION_PROBE` slots from `key % SESSION_SLOTS`, wrapping.
+fn session_window(rows: &[SessionRow], key: u64) -> impl Iterator<Item = &SessionRow> {
+    let start = key % SESSION_SLOTS;
+    (0..SESSION_PROBE).map(move |i| &rows[((start + i) % SESSION_SLOTS) as usize])
 }
 
 /// Whether a process with this pid exists (`kill(pid, 0)`; EPERM counts as alive). Pid 0 and

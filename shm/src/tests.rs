@@ -631,3 +631,112 @@ fn signal_drain_refuses_bad_pids_and_signals_a_child() {
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(status.signal(), Some(libc::SIGQUIT));
 }
+
+#[test]
+fn session_placements_are_shared_and_refreshed() {
+    let tp = TempPath::new("sessions");
+    let a = Segment::open_or_create(&tp.0, small()).unwrap();
+    let b = Segment::open_or_create(&tp.0, small()).unwrap();
+    assert_eq!(a.session_peer(42, 100), None);
+    a.set_session_peer(42, 7, 100);
+    // Another mapping (another worker or process) sees it; key 0 is a key like any other.
+    assert_eq!(b.session_peer(42, 100), Some(7));
+    b.set_session_peer(0, 3, 100);
+    assert_eq!(a.session_peer(0, 100), Some(3));
+    // Moving a session overwrites its own slot.
+    b.set_session_peer(42, 9, 101);
+    assert_eq!(a.session_peer(42, 101), Some(9));
+    // A read refreshes the last-use time.
+    let row = session_window(a.try_session_rows().unwrap(), 42)
+        .find(|r| r.key.load(Ordering::Relaxed) == 42)
+        .unwrap();
+    assert_eq!(session_age(row.val.load(Ordering::Relaxed), 101), 0);
+    assert_eq!(a.session_peer(42, 150), Some(9));
+    assert_eq!(session_age(row.val.load(Ordering::Relaxed), 150), 0);
+}
+
+#[test]
+fn a_full_window_forgets_its_least_recently_used_session() {
+    let tp = TempPath::new("sessions-lru");
+    let seg = Segment::open_or_create(&tp.0, small()).unwrap();
+    // Nine keys with one window: the ninth must evict someone.
+    let key = |i: u64| 5 + i * SESSION_SLOTS;
+    for i in 0..SESSION_PROBE {
+        seg.set_session_peer(key(i), i as u32, 100 + i);
+    }
+    for i in 0..SESSION_PROBE {
+        assert_eq!(seg.session_peer(key(i), 100 + i), Some(i as u32));
+    }
+    // Key 0 is used again later, so key 1 is now the least recently used.
+    assert_eq!(seg.session_peer(key(0), 200), Some(0));
+    seg.set_session_peer(key(SESSION_PROBE), 99, 201);
+    assert_eq!(seg.session_peer(key(SESSION_PROBE), 201), Some(99));
+    assert_eq!(
+        seg.session_peer(key(1), 201),
+        None,
+        "the LRU one is forgotten"
+    );
+    for i in [0, 2, 3, 7] {
+        assert_eq!(
+            seg.session_peer(key(i), 202),
+            Some(i as u32),
+            "key {i} kept"
+        );
+    }
+    // A window that wraps past the end of the table works the same.
+    let last = SESSION_SLOTS - 1;
+    seg.set_session_peer(last, 1, 300);
+    seg.set_session_peer(last + SESSION_SLOTS, 2, 300);
+    assert_eq!(seg.session_peer(last, 300), Some(1));
+    assert_eq!(seg.session_peer(last + SESSION_SLOTS, 300), Some(2));
+}
+
+#[test]
+fn a_reader_racing_a_replacement_sees_no_placement() {
+    let tp = TempPath::new("sessions-race");
+    let seg = Segment::open_or_create(&tp.0, small()).unwrap();
+    let old = 77u64;
+    let new = 77u64 | (0xab << 56); // same window, other check bits
+    seg.set_session_peer(old, 4, 10);
+    // A writer has swapped the key in but not yet its value.
+    let row = session_window(seg.try_session_rows().unwrap(), old)
+        .find(|r| r.key.load(Ordering::Relaxed) == old)
+        .unwrap();
+    row.key.store(new, Ordering::Release);
+    assert_eq!(
+        seg.session_peer(new, 10),
+        None,
+        "old value must not be read as the new key's"
+    );
+    seg.set_session_peer(new, 5, 11);
+    assert_eq!(seg.session_peer(new, 11), Some(5));
+}
+
+#[test]
+fn concurrent_placements_all_land() {
+    let tp = TempPath::new("sessions-threads");
+    let seg = Arc::new(Segment::open_or_create(&tp.0, small()).unwrap());
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let seg = Arc::clone(&seg);
+            std::thread::spawn(move || {
+                for i in 0..2000u64 {
+                    let key = (i * 4 + t).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    seg.set_session_peer(key, (key >> 40) as u32, 1);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let mut found = 0;
+    for k in 0..8000u64 {
+        let key = k.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        if seg.session_peer(key, 2) == Some((key >> 40) as u32) {
+            found += 1;
+        }
+    }
+    // 8000 keys in 65536 slots with 8-slot windows: every one fits.
+    assert_eq!(found, 8000);
+}

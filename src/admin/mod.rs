@@ -431,12 +431,15 @@ fn route_endpoint(
             let loads = pool.loads(seg, now);
             let algo = Affinity::from(route.cfg.opts.affinity_hash);
             let sid_bytes = session_id::hash_bytes(&sid);
-            let natural = peer_select::natural_target(&loads, sid_bytes, algo);
+            // Read-only: a debug lookup shows the placement but never makes one.
+            let placed = pool.placed_peer(seg, pool.session_key(sid_bytes), now / 1000);
+            let natural = peer_select::natural_target(&loads, sid_bytes, algo, placed);
             let pick = peer_select::select(
                 &loads,
                 route.cfg.opts.session_affinity.then_some(sid_bytes),
                 algo,
                 peer_select::Overflow::from_name(&route.cfg.opts.affinity_overflow),
+                placed,
                 ctx.random(),
             );
             let sid_hash = peer_select::fnv1a64(sid_bytes);
@@ -452,7 +455,7 @@ fn route_endpoint(
                 "max": loads[i].max_concurrency,
                 "score": match algo {
                     Affinity::Rendezvous => json!(peer_select::rendezvous_score(sid_hash, p.key_hash)),
-                    Affinity::Crc32Mod => Value::Null,
+                    Affinity::Crc32Mod | Affinity::Table => Value::Null,
                 },
             })).collect();
             Response::json(
@@ -488,11 +491,13 @@ fn route_endpoint(
                 );
             };
             let loads = pool.loads(seg, now);
+            let sid_bytes = sid.as_ref().map(|s| session_id::hash_bytes(&s.id));
             let choice = peer_select::select(
                 &loads,
-                sid.as_ref().map(|s| session_id::hash_bytes(&s.id)),
+                sid_bytes,
                 Affinity::from(route.cfg.opts.affinity_hash),
                 peer_select::Overflow::from_name(&route.cfg.opts.affinity_overflow),
+                sid_bytes.and_then(|b| pool.placed_peer(seg, pool.session_key(b), now / 1000)),
                 ctx.random(),
             );
             let Some(i) = choice.index() else {

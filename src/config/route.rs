@@ -90,6 +90,9 @@ pub enum AffinityHash {
     Crc32Mod,
     /// Highest random weight over the tier.
     Rendezvous,
+    /// A new session goes to the least loaded peer of the tier; the shared segment remembers
+    /// where each session was placed (a bounded table: sessions unused longest are forgotten).
+    StickyTable,
 }
 
 impl AffinityHash {
@@ -97,6 +100,7 @@ impl AffinityHash {
         match self {
             AffinityHash::Crc32Mod => "crc32_mod",
             AffinityHash::Rendezvous => "rendezvous",
+            AffinityHash::StickyTable => "sticky_table",
         }
     }
 }
@@ -414,6 +418,7 @@ impl RouteOpts {
             "affinity_hash" => {
                 self.affinity_hash = match v.string().as_str() {
                     "rendezvous" => AffinityHash::Rendezvous,
+                    "sticky_table" => AffinityHash::StickyTable,
                     _ => AffinityHash::Crc32Mod,
                 }
             }

@@ -7,6 +7,9 @@
 //!   `rendezvous` picks the highest hash of (sid, peer) over the tier, so adding or
 //!   removing a peer moves only ~1/n of the sessions. If that peer is banned or at its
 //!   `max_concurrency`, least connections over the tier's healthy peers picks instead.
+//! - `sticky_table`: the caller looks the session up in the shared placement table and passes
+//!   the peer it found; a session without one (new, forgotten, or whose peer left the tier or
+//!   is banned) is placed by least connections, and the caller records that choice.
 //! - Without one: least connections by in-flight / max_concurrency, ties at random.
 
 use std::cmp::Ordering;
@@ -51,6 +54,8 @@ pub struct Load {
 pub enum Affinity {
     Crc32Mod,
     Rendezvous,
+    /// Placement by least connections, remembered by the caller's table.
+    Table,
 }
 
 impl From<crate::config::AffinityHash> for Affinity {
@@ -58,6 +63,7 @@ impl From<crate::config::AffinityHash> for Affinity {
         match h {
             crate::config::AffinityHash::Crc32Mod => Affinity::Crc32Mod,
             crate::config::AffinityHash::Rendezvous => Affinity::Rendezvous,
+            crate::config::AffinityHash::StickyTable => Affinity::Table,
         }
     }
 }
@@ -143,12 +149,20 @@ pub fn rendezvous_score(sid_hash: u64, key_hash: u64) -> u64 {
 }
 
 /// The peer a session maps to inside the active tier, banned or not ("natural target").
-pub fn natural_target(loads: &[Load], sid: &[u8], algo: Affinity) -> Option<usize> {
+/// `placed` is the table's peer for [`Affinity::Table`] (ignored otherwise); it counts only
+/// while it is in the active tier.
+pub fn natural_target(
+    loads: &[Load],
+    sid: &[u8],
+    algo: Affinity,
+    placed: Option<usize>,
+) -> Option<usize> {
     let tier = active_tier(loads)?;
     let tier_peers: Vec<usize> = (0..loads.len())
         .filter(|&i| loads[i].priority == tier)
         .collect();
     match algo {
+        Affinity::Table => placed.filter(|&i| loads.get(i).is_some_and(|l| l.priority == tier)),
         Affinity::Crc32Mod => {
             let h = crc32fast::hash(sid) as usize;
             Some(tier_peers[h % tier_peers.len()])
@@ -217,22 +231,33 @@ fn takes(loads: &[Load], t: usize, overflow: Overflow) -> bool {
     }
 }
 
-/// Full selection for a request.
+/// Full selection for a request. `placed`: see [`natural_target`]. Under
+/// [`Affinity::Table`] a `LeastConn` answer for a request with a session id is a (re)placement
+/// the caller should record; `HashFallback` is a one-off overflow that should not move the
+/// session.
 pub fn select(
     loads: &[Load],
     sid: Option<&[u8]>,
     algo: Affinity,
     overflow: Overflow,
+    placed: Option<usize>,
     random: u64,
 ) -> PeerChoice {
     let Some(sid) = sid else {
         return least_conn(loads, random);
     };
-    let Some(target) = natural_target(loads, sid, algo) else {
-        return PeerChoice::NoHealthyPeer;
+    let Some(target) = natural_target(loads, sid, algo, placed) else {
+        return if algo == Affinity::Table {
+            least_conn(loads, random)
+        } else {
+            PeerChoice::NoHealthyPeer
+        };
     };
     if takes(loads, target, overflow) {
         return PeerChoice::Hash(target);
+    }
+    if algo == Affinity::Table && !loads[target].healthy {
+        return least_conn(loads, random);
     }
     match least_conn(loads, random) {
         PeerChoice::LeastConn(i) => PeerChoice::HashFallback(i),
@@ -335,6 +360,7 @@ mod tests {
                     Some(sid.as_bytes()),
                     Affinity::Crc32Mod,
                     Overflow::AtMax,
+                    None,
                     7
                 ),
                 PeerChoice::Hash(want)
@@ -350,14 +376,14 @@ mod tests {
             let before: Vec<usize> = sids
                 .iter()
                 .map(|s| {
-                    select(&loads, Some(s.as_bytes()), algo, Overflow::AtMax, 1)
+                    select(&loads, Some(s.as_bytes()), algo, Overflow::AtMax, None, 1)
                         .index()
                         .unwrap()
                 })
                 .collect();
             loads[2].healthy = false;
             for (s, &b) in sids.iter().zip(&before) {
-                let c = select(&loads, Some(s.as_bytes()), algo, Overflow::AtMax, 1);
+                let c = select(&loads, Some(s.as_bytes()), algo, Overflow::AtMax, None, 1);
                 if b == 2 {
                     assert!(
                         matches!(c, PeerChoice::HashFallback(i) if i != 2),
@@ -382,8 +408,8 @@ mod tests {
         let moved = sids
             .iter()
             .filter(|s| {
-                natural_target(&four, s.as_bytes(), Affinity::Rendezvous)
-                    != natural_target(&five, s.as_bytes(), Affinity::Rendezvous)
+                natural_target(&four, s.as_bytes(), Affinity::Rendezvous, None)
+                    != natural_target(&five, s.as_bytes(), Affinity::Rendezvous, None)
             })
             .count();
         // Ideal 1/5 = 800; crc32 % n would move ~4/5.
@@ -391,8 +417,8 @@ mod tests {
         let moved_mod = sids
             .iter()
             .filter(|s| {
-                natural_target(&four, s.as_bytes(), Affinity::Crc32Mod)
-                    != natural_target(&five, s.as_bytes(), Affinity::Crc32Mod)
+                natural_target(&four, s.as_bytes(), Affinity::Crc32Mod, None)
+                    != natural_target(&five, s.as_bytes(), Affinity::Crc32Mod, None)
             })
             .count();
         assert!(
@@ -402,7 +428,7 @@ mod tests {
         // And spreads evenly.
         let mut counts = [0; 5];
         for s in &sids {
-            counts[natural_target(&five, s.as_bytes(), Affinity::Rendezvous).unwrap()] += 1;
+            counts[natural_target(&five, s.as_bytes(), Affinity::Rendezvous, None).unwrap()] += 1;
         }
         assert!(
             counts.iter().all(|&c| (600..1000).contains(&c)),
@@ -414,7 +440,7 @@ mod tests {
     fn bounded_load_keeps_sessions_home_when_the_pool_is_evenly_busy() {
         let mut loads = pool(3);
         let sid = b"x";
-        let t = natural_target(&loads, sid, Affinity::Crc32Mod).unwrap();
+        let t = natural_target(&loads, sid, Affinity::Crc32Mod, None).unwrap();
         // Everyone at max: bounded load stays home, at_max spills.
         for l in &mut loads {
             l.inflight = 10;
@@ -425,12 +451,20 @@ mod tests {
                 Some(sid),
                 Affinity::Crc32Mod,
                 Overflow::BoundedLoad,
+                None,
                 1
             ),
             PeerChoice::Hash(t)
         );
         assert!(matches!(
-            select(&loads, Some(sid), Affinity::Crc32Mod, Overflow::AtMax, 1),
+            select(
+                &loads,
+                Some(sid),
+                Affinity::Crc32Mod,
+                Overflow::AtMax,
+                None,
+                1
+            ),
             PeerChoice::HashFallback(_)
         ));
         // A hot spot: the pinned peer far above the others spills even under bounded load.
@@ -438,7 +472,7 @@ mod tests {
             l.inflight = if i == t { 20 } else { 2 };
         }
         assert!(
-            matches!(select(&loads, Some(sid), Affinity::Crc32Mod, Overflow::BoundedLoad, 1), PeerChoice::HashFallback(i) if i != t)
+            matches!(select(&loads, Some(sid), Affinity::Crc32Mod, Overflow::BoundedLoad, None, 1), PeerChoice::HashFallback(i) if i != t)
         );
         // Banned is banned either way.
         loads[t].healthy = false;
@@ -449,6 +483,7 @@ mod tests {
                 Some(sid),
                 Affinity::Crc32Mod,
                 Overflow::BoundedLoad,
+                None,
                 1
             ),
             PeerChoice::HashFallback(_)
@@ -459,9 +494,16 @@ mod tests {
     fn full_pinned_peer_falls_back() {
         let mut loads = pool(3);
         let sid = b"x";
-        let t = natural_target(&loads, sid, Affinity::Crc32Mod).unwrap();
+        let t = natural_target(&loads, sid, Affinity::Crc32Mod, None).unwrap();
         loads[t].inflight = 10;
-        let c = select(&loads, Some(sid), Affinity::Crc32Mod, Overflow::AtMax, 3);
+        let c = select(
+            &loads,
+            Some(sid),
+            Affinity::Crc32Mod,
+            Overflow::AtMax,
+            None,
+            3,
+        );
         assert!(matches!(c, PeerChoice::HashFallback(i) if i != t));
         assert_eq!(c.mode(), "hash_fallback");
     }
@@ -478,6 +520,7 @@ mod tests {
                 Some(s.as_bytes()),
                 Affinity::Crc32Mod,
                 Overflow::AtMax,
+                None,
                 0,
             );
             assert_eq!(
@@ -494,6 +537,7 @@ mod tests {
                 Some(s.as_bytes()),
                 Affinity::Crc32Mod,
                 Overflow::AtMax,
+                None,
                 0,
             );
             assert_eq!(
@@ -502,6 +546,67 @@ mod tests {
                 "lower tier serves when the higher is down"
             );
         }
+    }
+
+    #[test]
+    fn sticky_table_places_by_load_keeps_placements_and_replaces_banned_ones() {
+        let sel = |loads: &[Load], placed, overflow| {
+            select(loads, Some(b"s"), Affinity::Table, overflow, placed, 7)
+        };
+        let mut loads = vec![l(3, 10), l(1, 10), l(2, 10)];
+        // New session: least connections, to be recorded by the caller.
+        assert_eq!(sel(&loads, None, Overflow::AtMax), PeerChoice::LeastConn(1));
+        // Placed: it stays, however loaded, while under its max.
+        assert_eq!(sel(&loads, Some(0), Overflow::AtMax), PeerChoice::Hash(0));
+        assert_eq!(
+            natural_target(&loads, b"s", Affinity::Table, Some(2)),
+            Some(2)
+        );
+        // At its max: a one-off fallback (not to be recorded), as for hashing.
+        loads[0].inflight = 10;
+        assert_eq!(
+            sel(&loads, Some(0), Overflow::AtMax),
+            PeerChoice::HashFallback(1)
+        );
+        // Under bounded_load it stays while the whole tier is busy too.
+        loads[1].inflight = 8;
+        loads[2].inflight = 9;
+        assert_eq!(
+            sel(&loads, Some(0), Overflow::BoundedLoad),
+            PeerChoice::Hash(0)
+        );
+        loads[1].inflight = 1;
+        loads[2].inflight = 2;
+        // Banned: placed again.
+        loads[0].inflight = 0;
+        loads[0].healthy = false;
+        assert_eq!(
+            sel(&loads, Some(0), Overflow::AtMax),
+            PeerChoice::LeastConn(1)
+        );
+        // A placement outside the active tier (or past the list) does not count.
+        loads[0].healthy = true;
+        loads[0].inflight = 3;
+        loads[2].priority = -1;
+        assert_eq!(
+            sel(&loads, Some(2), Overflow::AtMax),
+            PeerChoice::LeastConn(1)
+        );
+        assert_eq!(
+            sel(&loads, Some(9), Overflow::AtMax),
+            PeerChoice::LeastConn(1)
+        );
+        assert_eq!(natural_target(&loads, b"s", Affinity::Table, Some(2)), None);
+        // No session id: plain least connections, nothing to record.
+        assert_eq!(
+            select(&loads, None, Affinity::Table, Overflow::AtMax, Some(0), 7),
+            PeerChoice::LeastConn(1)
+        );
+        // The other algorithms ignore a placement.
+        assert_eq!(
+            natural_target(&loads, b"s", Affinity::Crc32Mod, Some(1)),
+            natural_target(&loads, b"s", Affinity::Crc32Mod, None)
+        );
     }
 
     #[test]
