@@ -16,10 +16,11 @@ from datetime import datetime, timezone
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import add_common_args, machine_info, read, update_md  # noqa: E402
 
-PARTY_ORDER = ["wr-crc32", "wr-crc32-bounded", "wr-rendezvous", "wr-noid", "haproxy-sticky", "haproxy-rr"]
+PARTY_ORDER = ["wr-crc32", "wr-crc32-bounded", "wr-table-bounded", "wr-rendezvous", "wr-noid", "haproxy-sticky", "haproxy-rr"]
 PARTY_TITLES = {
     "wr-crc32": "warmroute crc32",
     "wr-crc32-bounded": "warmroute crc32, affinity_overflow = bounded_load",
+    "wr-table-bounded": "warmroute sticky_table, affinity_overflow = bounded_load",
     "wr-rendezvous": "warmroute rendezvous",
     "wr-noid": "warmroute, no id (least conn)",
     "haproxy-sticky": "haproxy sticky (hdr, consistent)",
@@ -87,7 +88,7 @@ def render_md(args, data):
         f"`X-Routed-Mode: hash_fallback`.")
     add(f"- **Parties** (each its own process, one at a time): warmroute `--workers 1 --no-pin` "
         f"with one route of the 8 engines (`max_concurrency = {args.mock_conc}` each, the engines' "
-        f"own limit, so the pool takes {8 * args.mock_conc} requests at once and sheds 429 above that), `affinity_hash = \"crc32_mod\"` or `\"rendezvous\"`; the crc32 config driven "
+        f"own limit, so the pool takes {8 * args.mock_conc} requests at once and sheds 429 above that), `affinity_hash = \"crc32_mod\"`, `\"rendezvous\"` or `\"sticky_table\"` (new sessions placed on the least loaded engine, then kept there), `affinity_overflow = \"at_max\"` unless the party says `bounded_load`; the crc32 config driven "
         f"without ids (least connections); haproxy `nbthread 1` with `balance hdr(X-Session-ID)` + "
         f"`hash-type consistent`, or `balance roundrobin` (servers `maxconn 4096`: the engines queue) and `option http-no-delay` (without it haproxy 2.6 delivered each small SSE stream in one piece at its end). "
         f"Proxies under `taskset -c {args.proxy_cpu}`; engines and the driver "

@@ -4,7 +4,8 @@
 # engine   (optional, slow to build) what affinity buys on real inference engines: ENG_ENGINES
 #          llama.cpp `llama-server`s (SmolLM2-135M-Instruct Q4_1, CPU, -np 1 -t 1, the engine's
 #          own prefix cache: the slot's KV plus its host-RAM prompt cache) driven by the
-#          multi-turn replay (warmroute-bench replay) through warmroute crc32, haproxy sticky
+#          multi-turn replay (warmroute-bench replay) through warmroute crc32, warmroute
+#          sticky_table (new sessions placed on the least loaded engine), haproxy sticky
 #          (balance hdr(X-Session-ID) + hash-type consistent) and haproxy round robin, next to
 #          "direct": every engine driven by its own replay at concurrency 1 (one conversation
 #          at a time: a single warm backend, at the same per-engine load and on the same
@@ -28,7 +29,7 @@
 #          ENG_PIN (1: engine i on core i mod nproc), ENG_WR_MAX_CONC (4: max_concurrency of
 #          each peer in warmroute's route; above the engine's 1 slot, so that a busy session
 #          peer queues the turn like haproxy does instead of spilling it to a cold engine),
-#          ENG_PARTIES ("direct wr-crc32 haproxy-sticky haproxy-rr"; also wr-crc32-spill:
+#          ENG_PARTIES ("direct wr-crc32 wr-table haproxy-sticky haproxy-rr"; also wr-crc32-spill:
 #          max_concurrency 1, at_max), ENG_SEED (1), ENG_CACHE_DIR, ENG_LLAMA_JOBS (nproc),
 #          ENG_CHART (bench/engine.png; empty = no chart). BENCH_RESULTS_MD= (empty) leaves
 #          bench/RESULTS.md alone, e.g. for a side run with ENG_THINK_MS.
@@ -46,7 +47,7 @@ ENG_THREADS=${ENG_THREADS:-1}
 ENG_CACHE_RAM=${ENG_CACHE_RAM:-}
 ENG_PIN=${ENG_PIN:-1}
 ENG_WR_MAX_CONC=${ENG_WR_MAX_CONC:-4}
-ENG_PARTIES=${ENG_PARTIES:-direct wr-crc32 haproxy-sticky haproxy-rr}
+ENG_PARTIES=${ENG_PARTIES:-direct wr-crc32 wr-table haproxy-sticky haproxy-rr}
 ENG_SEED=${ENG_SEED:-1}
 ENG_CACHE_DIR=${ENG_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/warmroute-bench/llama}
 ENG_LLAMA_VERSION=11434.0.0
@@ -133,9 +134,9 @@ eng_scrape() {
   done
 }
 
-# eng_start_warmroute NAME PORT ADMIN_PORT FIRST_ENGINE_PORT MAX_CONC OVERFLOW
+# eng_start_warmroute NAME PORT ADMIN_PORT FIRST_ENGINE_PORT MAX_CONC OVERFLOW [AFFINITY_HASH]
 eng_start_warmroute() {
-  local name=$1 port=$2 aport=$3 first=$4 maxc=$5 overflow=$6 i
+  local name=$1 port=$2 aport=$3 first=$4 maxc=$5 overflow=$6 hash=${7:-crc32_mod} i
   local dir=$WORK/$name
   mkdir -p "$dir/routes"
   local shm=/dev/shm/warmroute-bench-$port
@@ -154,7 +155,7 @@ EOF
     done
     echo "]"
     echo "session_affinity = true"
-    echo "affinity_hash = \"crc32_mod\""
+    echo "affinity_hash = \"$hash\""
     echo "affinity_overflow = \"$overflow\""
   } >"$dir/routes/bench.toml"
   spawn "$name" "" "$WORK/$name.log" "$BIN_DIR/warmroute" serve --config "$dir/warmroute.toml" \
@@ -265,6 +266,7 @@ scenario_engine() {
         direct) ;;
         wr-crc32) eng_start_warmroute "$party-$n" "$port" "$aport" "$base" "$ENG_WR_MAX_CONC" at_max ;;
         wr-crc32-spill) eng_start_warmroute "$party-$n" "$port" "$aport" "$base" 1 at_max ;;
+        wr-table) eng_start_warmroute "$party-$n" "$port" "$aport" "$base" "$ENG_WR_MAX_CONC" at_max sticky_table ;;
         haproxy-sticky)
           eng_start_haproxy "$party-$n" "$port" "$base" \
             "$(printf '    balance hdr(X-Session-ID)\n    hash-type consistent')"

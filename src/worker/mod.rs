@@ -277,15 +277,6 @@ fn build_runtime(uring: bool) -> std::io::Result<Runtime> {
             .enable_timer()
     };
     if uring {
-        if std::env::var_os("WR_DEFER").is_some() {
-            let mut urb = io_uring::IoUring::builder();
-            urb.setup_coop_taskrun()
-                .setup_single_issuer()
-                .setup_defer_taskrun();
-            if let Ok(rt) = base().uring_builder(urb).build() {
-                return Ok(rt);
-            }
-        }
         let mut urb = io_uring::IoUring::builder();
         urb.setup_coop_taskrun();
         if let Ok(rt) = base().uring_builder(urb).build() {
