@@ -16,11 +16,13 @@ from datetime import datetime, timezone
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import add_common_args, machine_info, read, update_md  # noqa: E402
 
-PARTY_ORDER = ["wr-crc32", "wr-crc32-bounded", "wr-table-bounded", "wr-rendezvous", "wr-noid", "haproxy-sticky", "haproxy-rr"]
+PARTY_ORDER = ["wr-crc32", "wr-crc32-bounded", "wr-crc32-noshed", "wr-table-bounded", "wr-table-noshed", "wr-rendezvous", "wr-noid", "haproxy-sticky", "haproxy-rr"]
 PARTY_TITLES = {
     "wr-crc32": "warmroute crc32",
     "wr-crc32-bounded": "warmroute crc32, affinity_overflow = bounded_load",
     "wr-table-bounded": "warmroute sticky_table, affinity_overflow = bounded_load",
+    "wr-crc32-noshed": "warmroute crc32, bounded_load, rt_limit_factor = 3 (no 429: engines queue)",
+    "wr-table-noshed": "warmroute sticky_table, bounded_load, rt_limit_factor = 3 (no 429: engines queue)",
     "wr-rendezvous": "warmroute rendezvous",
     "wr-noid": "warmroute, no id (least conn)",
     "haproxy-sticky": "haproxy sticky (hdr, consistent)",
