@@ -431,8 +431,10 @@ fn route_endpoint(
             let loads = pool.loads(seg, now);
             let algo = Affinity::from(route.cfg.opts.affinity_hash);
             let sid_bytes = session_id::hash_bytes(&sid);
-            // Read-only: a debug lookup shows the placement but never makes one.
-            let placed = pool.placed_peer(seg, pool.session_key(sid_bytes), now / 1000);
+            // Read-only: a debug lookup shows a sticky_table placement but never makes one.
+            let placed = (algo == Affinity::Table)
+                .then(|| pool.placed_peer(seg, pool.session_key(sid_bytes), now / 1000))
+                .flatten();
             let natural = peer_select::natural_target(&loads, sid_bytes, algo, placed);
             let pick = peer_select::select(
                 &loads,
@@ -492,12 +494,17 @@ fn route_endpoint(
             };
             let loads = pool.loads(seg, now);
             let sid_bytes = sid.as_ref().map(|s| session_id::hash_bytes(&s.id));
+            let algo = Affinity::from(route.cfg.opts.affinity_hash);
+            // A dry run: it reads a sticky_table placement but never records one.
+            let placed = sid_bytes
+                .filter(|_| algo == Affinity::Table)
+                .and_then(|b| pool.placed_peer(seg, pool.session_key(b), now / 1000));
             let choice = peer_select::select(
                 &loads,
                 sid_bytes,
-                Affinity::from(route.cfg.opts.affinity_hash),
+                algo,
                 peer_select::Overflow::from_name(&route.cfg.opts.affinity_overflow),
-                sid_bytes.and_then(|b| pool.placed_peer(seg, pool.session_key(b), now / 1000)),
+                placed,
                 ctx.random(),
             );
             let Some(i) = choice.index() else {
