@@ -16,12 +16,14 @@ from datetime import datetime, timezone
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import add_common_args, machine_info, read, update_md  # noqa: E402
 
-PARTY_ORDER = ["wr-crc32", "wr-crc32-bounded", "wr-crc32-noshed", "wr-table-bounded", "wr-table-noshed", "wr-rendezvous", "wr-noid", "haproxy-sticky", "haproxy-rr"]
+PARTY_ORDER = ["wr-crc32", "wr-crc32-bounded", "wr-crc32-prio", "wr-crc32-noshed", "wr-table-bounded", "wr-table-prio", "wr-table-noshed", "wr-rendezvous", "wr-noid", "haproxy-sticky", "haproxy-rr"]
 PARTY_TITLES = {
     "wr-crc32": "warmroute crc32",
     "wr-crc32-bounded": "warmroute crc32, affinity_overflow = bounded_load",
     "wr-table-bounded": "warmroute sticky_table, affinity_overflow = bounded_load",
+    "wr-crc32-prio": "warmroute crc32, bounded_load, session_prio (first turns shed first)",
     "wr-crc32-noshed": "warmroute crc32, bounded_load, rt_limit_factor = 3 (no 429: engines queue)",
+    "wr-table-prio": "warmroute sticky_table, bounded_load, session_prio",
     "wr-table-noshed": "warmroute sticky_table, bounded_load, rt_limit_factor = 3 (no 429: engines queue)",
     "wr-rendezvous": "warmroute rendezvous",
     "wr-noid": "warmroute, no id (least conn)",
@@ -90,7 +92,7 @@ def render_md(args, data):
         f"`X-Routed-Mode: hash_fallback`.")
     add(f"- **Parties** (each its own process, one at a time): warmroute `--workers 1 --no-pin` "
         f"with one route of the 8 engines (`max_concurrency = {args.mock_conc}` each, the engines' "
-        f"own limit, so the pool takes {8 * args.mock_conc} requests at once and sheds 429 above that), `affinity_hash = \"crc32_mod\"`, `\"rendezvous\"` or `\"sticky_table\"` (new sessions placed on the least loaded engine, then kept there), `affinity_overflow = \"at_max\"` unless the party says `bounded_load`; the crc32 config driven "
+        f"own limit, so the pool takes {8 * args.mock_conc} requests at once and sheds 429 above that), `affinity_hash = \"crc32_mod\"`, `\"rendezvous\"` or `\"sticky_table\"` (new sessions placed on the least loaded engine, then kept there), `affinity_overflow = \"at_max\"` unless the party says `bounded_load`; for the session_prio parties `session_prio = true`, their driver also sending `x-phanrouter-session: {{\"session_id\": …, \"turn\": N}}`; the crc32 config driven "
         f"without ids (least connections); haproxy `nbthread 1` with `balance hdr(X-Session-ID)` + "
         f"`hash-type consistent`, or `balance roundrobin` (servers `maxconn 4096`: the engines queue) and `option http-no-delay` (without it haproxy 2.6 delivered each small SSE stream in one piece at its end). "
         f"Proxies under `taskset -c {args.proxy_cpu}`; engines and the driver "

@@ -33,6 +33,8 @@ options:
   --concurrency C       conversations in flight at once (default 4)
   --id header|none      send the session id in a header or not at all (default header)
   --header-name NAME    session id header (default X-Session-ID)
+  --turn-header NAME    also send NAME: {\"session_id\":ID,\"turn\":T} (e.g. x-phanrouter-session,
+                        which the router's session_prio grades by); off by default
   --turn-tokens K       words per new user message (default 32)
   --system-tokens S     words of each conversation's system prompt (default 256)
   --max-tokens M        completion tokens asked per turn (default 16)
@@ -62,6 +64,7 @@ struct Opts {
     concurrency: usize,
     send_id: bool,
     header_name: String,
+    turn_header: Option<String>,
     turn_tokens: usize,
     system_tokens: usize,
     max_tokens: u32,
@@ -150,6 +153,7 @@ fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
         concurrency: 4,
         send_id: true,
         header_name: "X-Session-ID".into(),
+        turn_header: None,
         turn_tokens: 32,
         system_tokens: 256,
         max_tokens: 16,
@@ -182,6 +186,7 @@ fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
                 }
             }
             "--header-name" => o.header_name = v,
+            "--turn-header" => o.turn_header = Some(v),
             "--turn-tokens" => o.turn_tokens = num(flag, &v)?,
             "--system-tokens" => o.system_tokens = num(flag, &v)?,
             "--max-tokens" => o.max_tokens = num(flag, &v)?,
@@ -288,10 +293,10 @@ impl Conn {
     }
 
     /// POST `body` and read the whole response; SSE frames are parsed as they arrive.
-    fn post(&mut self, o: &Opts, sid: Option<&str>, body: &[u8]) -> Outcome {
+    fn post(&mut self, o: &Opts, sid: Option<&str>, turn: usize, body: &[u8]) -> Outcome {
         let t0 = Instant::now();
         let mut out = Outcome::default();
-        let res = self.post_inner(o, sid, body, t0, &mut out);
+        let res = self.post_inner(o, sid, turn, body, t0, &mut out);
         out.total = t0.elapsed();
         match res {
             Ok(keep) => {
@@ -311,6 +316,7 @@ impl Conn {
         &mut self,
         o: &Opts,
         sid: Option<&str>,
+        turn: usize,
         body: &[u8],
         t0: Instant,
         out: &mut Outcome,
@@ -323,6 +329,10 @@ impl Conn {
         );
         if let Some(sid) = sid {
             head.push_str(&format!("{}: {sid}\r\n", o.header_name));
+            if let Some(name) = &o.turn_header {
+                let v = json!({"session_id": sid, "turn": turn});
+                head.push_str(&format!("{name}: {v}\r\n"));
+            }
         }
         head.push_str("\r\n");
         // A keep-alive connection the server closed while idle fails on the first read;
@@ -342,7 +352,7 @@ impl Conn {
                 ));
             }
             self.reader = None;
-            return self.post_inner(o, sid, body, t0, out);
+            return self.post_inner(o, sid, turn, body, t0, out);
         }
         out.status = line
             .split_whitespace()
@@ -627,7 +637,7 @@ fn run_session(
         loop {
             rec.attempts += 1;
             let attempt_at = turn_t0.elapsed();
-            let r = conn.post(o, o.send_id.then_some(sid.as_str()), &body);
+            let r = conn.post(o, o.send_id.then_some(sid.as_str()), turn, &body);
             rec.status = r.status;
             rec.peer = r.peer.clone();
             rec.mode = r.mode.clone();
@@ -842,6 +852,7 @@ fn summarize(o: &Opts, recs: &mut [TurnRec], wall: Duration) -> Value {
             "concurrency": o.concurrency,
             "id": if o.send_id { "header" } else { "none" },
             "header_name": o.header_name,
+            "turn_header": o.turn_header,
             "turn_tokens": o.turn_tokens,
             "system_tokens": o.system_tokens,
             "max_tokens": o.max_tokens,
@@ -1071,5 +1082,45 @@ mod tests {
         assert_eq!(o.sessions, 3);
         assert!(!o.send_id);
         assert!(parse_args(&["replay".to_string()]).is_err());
+    }
+
+    /// The head one request sends, captured by a listener that answers 503 and closes.
+    fn sent_head(extra: &str) -> String {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let args: Vec<String> =
+            format!("replay --target http://{addr}/bench/v1/chat/completions {extra}")
+                .split_whitespace()
+                .map(str::to_string)
+                .collect();
+        let o = parse_args(&args).unwrap().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut buf = vec![0u8; 4096];
+            let mut got = Vec::new();
+            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = s.read(&mut buf).unwrap();
+                assert!(n > 0, "client closed before its head ended");
+                got.extend_from_slice(&buf[..n]);
+            }
+            let _ =
+                s.write_all(b"HTTP/1.1 503 Busy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+            String::from_utf8(got).unwrap()
+        });
+        let out = Conn::new(o.addr).post(&o, Some("conv-7"), 3, b"{}");
+        assert_eq!(out.status, 503);
+        server.join().unwrap()
+    }
+
+    #[test]
+    fn turn_header_carries_the_session_and_turn_when_asked() {
+        let plain = sent_head("");
+        assert!(plain.contains("X-Session-ID: conv-7\r\n"), "{plain}");
+        assert!(!plain.contains("x-phanrouter-session"), "{plain}");
+        let graded = sent_head("--turn-header x-phanrouter-session");
+        assert!(
+            graded.contains("x-phanrouter-session: {\"session_id\":\"conv-7\",\"turn\":3}\r\n"),
+            "{graded}"
+        );
     }
 }
