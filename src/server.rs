@@ -177,6 +177,17 @@ impl Router {
         }
         let config = Arc::new(apply_overrides(config, &overrides));
         let server = &config.server;
+        match warmroute_shm::raise_nofile_limit() {
+            Ok((before, after)) if after > before => {
+                tracing::info!(
+                    before,
+                    after,
+                    "raised the open-file limit to the hard limit"
+                );
+            }
+            Ok((_, after)) => tracing::debug!(limit = after, "open-file limit"),
+            Err(e) => tracing::warn!(error = %e, "could not raise the open-file limit"),
+        }
         let seg = Arc::new(
             Segment::open_or_create(&server.shm_path, segment_capacities()).map_err(|e| {
                 StartError::Io(io::Error::new(

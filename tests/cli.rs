@@ -609,3 +609,26 @@ fn takeover_replaces_a_running_router_without_failing_a_request() {
     );
     assert_eq!(request(new.admin, &get("/readyz")).status, 200);
 }
+
+#[test]
+fn the_router_raises_its_soft_fd_limit_to_the_hard_one() {
+    let (soft, hard) = warmroute_shm::nofile_limit().unwrap();
+    // The router inherits a low soft limit (systemd's default is 1024), as a service would.
+    let low = soft.min(hard).min(256);
+    warmroute_shm::set_nofile_soft(low).unwrap();
+    let d = temp_dir("nofile");
+    let p = start_serve(&d.0);
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", p.child.id())).unwrap();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    let nums: Vec<u64> = line
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert_eq!(nums, vec![hard, hard], "{line}");
+    // Control: the process that started it still has the low limit it handed down.
+    assert_eq!(warmroute_shm::nofile_limit().unwrap().0, low);
+    warmroute_shm::set_nofile_soft(soft).unwrap();
+}

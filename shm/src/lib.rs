@@ -1199,6 +1199,44 @@ fn session_window(rows: &[SessionRow], key: u64) -> impl Iterator<Item = &Sessio
     (0..SESSION_PROBE).map(move |i| &rows[((start + i) % SESSION_SLOTS) as usize])
 }
 
+/// The process's open-file limit: (soft, hard).
+pub fn nofile_limit() -> io::Result<(u64, u64)> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `r` is a valid, writable rlimit for the call to fill; nothing else is passed.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((r.rlim_cur, r.rlim_max))
+}
+
+/// Set the soft open-file limit (it may not exceed the hard one).
+pub fn set_nofile_soft(soft: u64) -> io::Result<()> {
+    let (_, hard) = nofile_limit()?;
+    let r = libc::rlimit {
+        rlim_cur: soft as libc::rlim_t,
+        rlim_max: hard as libc::rlim_t,
+    };
+    // SAFETY: `r` is a valid rlimit read by the call; nothing else is passed.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Raise the soft open-file limit to the hard one (every proxied stream holds two
+/// descriptors, and systemd's default soft limit is 1024 under a hard one of 524288).
+/// Returns the limits before and after: (old soft, new soft).
+pub fn raise_nofile_limit() -> io::Result<(u64, u64)> {
+    let (soft, hard) = nofile_limit()?;
+    if soft < hard {
+        set_nofile_soft(hard)?;
+    }
+    Ok((soft, nofile_limit()?.0))
+}
+
 /// Whether a process with this pid exists (`kill(pid, 0)`; EPERM counts as alive). Pid 0 and
 /// pids that do not fit `pid_t` are never alive.
 pub fn pid_alive(pid: u32) -> bool {

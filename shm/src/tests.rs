@@ -740,3 +740,25 @@ fn concurrent_placements_all_land() {
     // 8000 keys in 65536 slots with 8-slot windows: every one fits.
     assert_eq!(found, 8000);
 }
+
+#[test]
+fn the_soft_fd_limit_is_raised_to_the_hard_one() {
+    // nextest runs every test in its own process, so changing the limit touches no other test.
+    let (soft, hard) = nofile_limit().unwrap();
+    assert!(soft <= hard);
+    let lowered = hard.min(soft).min(512);
+    set_nofile_soft(lowered).unwrap();
+    assert_eq!(
+        nofile_limit().unwrap(),
+        (lowered, hard),
+        "control: the limit was lowered"
+    );
+    assert_eq!(raise_nofile_limit().unwrap(), (lowered, hard));
+    assert_eq!(nofile_limit().unwrap(), (hard, hard));
+    // Already at the hard limit: nothing to do.
+    assert_eq!(raise_nofile_limit().unwrap(), (hard, hard));
+    // Above the hard limit is refused, and says so.
+    if hard < u64::MAX / 2 {
+        assert!(set_nofile_soft(hard + 1).is_err());
+    }
+}
