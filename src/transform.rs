@@ -824,6 +824,34 @@ pub fn is_usage_only_frame(data: &[u8]) -> bool {
     matches!(look_at_data(data), DataLook::Done(true, _))
 }
 
+/// Index of the first `\n` or `\r` in `s`. Eight bytes at a time: a stream is mostly long
+/// `data:` lines, and a byte-by-byte search was the filter's largest cost.
+fn line_end(s: &[u8]) -> Option<usize> {
+    const LO: u64 = 0x0101_0101_0101_0101;
+    const HI: u64 = 0x8080_8080_8080_8080;
+    const LF: u64 = LO * b'\n' as u64;
+    const CR: u64 = LO * b'\r' as u64;
+    let mut chunks = s.chunks_exact(8);
+    let mut base = 0;
+    for c in &mut chunks {
+        let w = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+        let (a, b) = (w ^ LF, w ^ CR);
+        // A byte of `a` (or `b`) is zero where `w` has a LF (CR). The test flags every zero
+        // byte; it may also flag bytes above one (the borrow), never below, so the lowest
+        // flag is the first line end.
+        let hit = ((a.wrapping_sub(LO) & !a) | (b.wrapping_sub(LO) & !b)) & HI;
+        if hit != 0 {
+            return Some(base + (hit.trailing_zeros() / 8) as usize);
+        }
+        base += 8;
+    }
+    chunks
+        .remainder()
+        .iter()
+        .position(|&b| b == b'\n' || b == b'\r')
+        .map(|p| base + p)
+}
+
 /// The value of a `data:` line (without its terminator): after `data:` and one optional space.
 fn data_value(line: &[u8]) -> Option<&[u8]> {
     let rest = line.strip_prefix(b"data:")?;
@@ -932,10 +960,7 @@ impl UsageFrameFilter {
                     }
                 }
                 FState::Holding => {
-                    let n = rest
-                        .iter()
-                        .position(|&b| b == b'\n' || b == b'\r')
-                        .unwrap_or(rest.len());
+                    let n = line_end(rest).unwrap_or(rest.len());
                     if n > 0 {
                         self.held.extend_from_slice(&rest[..n]);
                         i += n;
@@ -945,13 +970,12 @@ impl UsageFrameFilter {
                         continue;
                     }
                     i += 1;
-                    self.end_line(rest[0], out);
+                    // A `\n\n` in view: the event ends with this line.
+                    let event_ends = rest[0] == b'\n' && rest.get(1) == Some(&b'\n');
+                    self.end_line(rest[0], event_ends, out);
                 }
                 FState::Pass => {
-                    let n = rest
-                        .iter()
-                        .position(|&b| b == b'\n' || b == b'\r')
-                        .unwrap_or(rest.len());
+                    let n = line_end(rest).unwrap_or(rest.len());
                     if n > 0 {
                         out.extend_from_slice(&rest[..n]);
                         self.pass_line_len += n;
@@ -1014,8 +1038,8 @@ impl UsageFrameFilter {
         self.state = FState::Pass;
     }
 
-    /// A line terminator `b` while holding.
-    fn end_line(&mut self, b: u8, out: &mut Vec<u8>) {
+    /// A line terminator `b` while holding; `event_ends`: a blank line is known to follow.
+    fn end_line(&mut self, b: u8, event_ends: bool, out: &mut Vec<u8>) {
         let line_len = self.held.len() - self.line_start;
         self.held.push(b);
         if line_len == 0 {
@@ -1039,6 +1063,12 @@ impl UsageFrameFilter {
         let mut keep = true;
         match data_value(line) {
             None => keep = false,
+            // The whole event is this one line and it has no usage object: it passes, and
+            // whether its JSON is complete does not matter.
+            Some(data) if self.first_line && event_ends && !has_usage_object(data) => {
+                self.first_line = false;
+                keep = false;
+            }
             Some(data) if self.first_line => {
                 self.first_line = false;
                 if let DataLook::Done(only, usage) = look_at_data(data) {
@@ -1071,10 +1101,7 @@ impl UsageFrameFilter {
         let h = &self.held;
         let mut i = 0;
         while i < h.len() {
-            let end = h[i..]
-                .iter()
-                .position(|&b| b == b'\n' || b == b'\r')
-                .map_or(h.len(), |p| i + p);
+            let end = line_end(&h[i..]).map_or(h.len(), |p| i + p);
             let line = &h[i..end];
             if !line.is_empty() {
                 let Some(d) = data_value(line) else {
@@ -1536,6 +1563,36 @@ mod tests {
     }
 
     #[test]
+    fn line_end_finds_the_first_cr_or_lf_like_a_byte_scan() {
+        let naive = |s: &[u8]| s.iter().position(|&b| b == b'\n' || b == b'\r');
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for len in 0..200usize {
+            for _ in 0..20 {
+                let buf: Vec<u8> = (0..len)
+                    .map(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        // Mostly text, some line ends, some bytes next to them in value.
+                        match x % 64 {
+                            0 => b'\n',
+                            1 => b'\r',
+                            2 => 0x0b,
+                            3 => 0x0c,
+                            4 => 0x8a,
+                            5 => 0,
+                            _ => b'a' + (x % 26) as u8,
+                        }
+                    })
+                    .collect();
+                assert_eq!(line_end(&buf), naive(&buf), "{buf:?}");
+            }
+        }
+        assert_eq!(line_end(b""), None);
+        assert_eq!(line_end(b"data: 0123456789abcdef\r\n"), Some(22));
+    }
+
+    #[test]
     fn usage_only_frame_detection() {
         assert!(is_usage_only_frame(
             br#"{"choices":[],"usage":{"prompt_tokens":1}}"#
@@ -1579,7 +1636,15 @@ mod tests {
         let mixed = format!(
             "\n{CONTENT1}event: x\ndata: {{\"choices\":[],\"usage\":{{}}}}\n\ndata: {{\"choices\":[],\ndata: \"usage\":{{\"completion_tokens\":9}}}}\n\n{CONTENT2}{USAGE}{DONE}"
         );
-        for stream in [[CONTENT1, CONTENT2, USAGE, DONE].concat(), crlf, cr, mixed] {
+        // An event that is one cut JSON line: it ends at its blank line, usage or not.
+        let cut = format!("data: {{\"choices\":[{{\"delta\":\n\n{CONTENT1}{USAGE}{DONE}");
+        for stream in [
+            [CONTENT1, CONTENT2, USAGE, DONE].concat(),
+            crlf,
+            cr,
+            mixed,
+            cut,
+        ] {
             let whole = filter_all(&[stream.as_bytes()]);
             assert!(whole.1.removed() >= 1, "{stream:?}");
             let b = stream.as_bytes();
