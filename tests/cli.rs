@@ -104,32 +104,56 @@ fn start_serve(dir: &Path) -> Proc {
 }
 
 fn start_serve_with(dir: &Path, server_extra: &str, args: &[&str]) -> Proc {
-    let (p, a) = (free_port(), free_port());
-    let shm = dir.join("segment");
-    let cfg = server_file_with(dir, p, a, &shm, server_extra);
-    let child = spawn_serve(&cfg, args);
-    let public: SocketAddr = format!("127.0.0.1:{p}").parse().unwrap();
-    let admin: SocketAddr = format!("127.0.0.1:{a}").parse().unwrap();
-    // Built before waiting, so a failed start still kills the child.
-    let proc = Proc {
-        child,
-        public,
-        admin,
-        shm,
-    };
-    wait_ready_or_dump(&proc, dir);
-    proc
+    // Ports come from binding :0 and letting go, so another test may take one before the
+    // router binds it; the router then refuses to start. Try again on fresh ports.
+    for _ in 0..3 {
+        let (p, a) = (free_port(), free_port());
+        let shm = dir.join("segment");
+        let cfg = server_file_with(dir, p, a, &shm, server_extra);
+        let child = spawn_serve(&cfg, args);
+        let public: SocketAddr = format!("127.0.0.1:{p}").parse().unwrap();
+        let admin: SocketAddr = format!("127.0.0.1:{a}").parse().unwrap();
+        // Built before waiting, so a failed start still kills the child.
+        let mut proc = Proc {
+            child,
+            public,
+            admin,
+            shm,
+        };
+        if wait_ready_or_exit(&mut proc, dir) {
+            return proc;
+        }
+    }
+    panic!("router refused to start three times (see the logs above)");
 }
 
-/// Wait for readiness; on failure, show the router's logs.
-fn wait_ready_or_dump(p: &Proc, dir: &Path) {
+/// Wait until the router is ready (true), or it exited (false, its logs shown). Panics,
+/// showing the logs, if it neither became ready nor exited within 10 s.
+fn wait_ready_or_exit(p: &mut Proc, dir: &Path) -> bool {
     let t0 = Instant::now();
     while t0.elapsed() < Duration::from_secs(10) {
+        if p.child.try_wait().ok().flatten().is_some() {
+            dump_logs(dir);
+            return false;
+        }
         if try_request(p.admin, &get("/readyz")).is_ok_and(|r| r.status == 200) {
-            return;
+            // A ready answer could come from another test's router on a taken port: ours
+            // must still be running.
+            std::thread::sleep(Duration::from_millis(30));
+            if p.child.try_wait().ok().flatten().is_none() {
+                return true;
+            }
+            dump_logs(dir);
+            return false;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+    dump_logs(dir);
+    panic!("router not ready");
+}
+
+/// Print the router logs of `dir` (for a failing test's output).
+fn dump_logs(dir: &Path) {
     for e in std::fs::read_dir(dir).unwrap().flatten() {
         if e.file_name().to_string_lossy().starts_with("router-") {
             eprintln!(
@@ -139,7 +163,6 @@ fn wait_ready_or_dump(p: &Proc, dir: &Path) {
             );
         }
     }
-    panic!("router not ready");
 }
 
 #[test]
@@ -351,13 +374,13 @@ fn a_crashed_router_leaves_no_phantom_in_flight() {
     let (pp, ap) = (free_port(), free_port());
     let cfg = server_file(&d.0, pp, ap, &p.shm);
     let child = spawn_serve(&cfg, &[]);
-    let q = Proc {
+    let mut q = Proc {
         child,
         public: format!("127.0.0.1:{pp}").parse().unwrap(),
         admin: format!("127.0.0.1:{ap}").parse().unwrap(),
         shm: p.shm.clone(),
     };
-    wait_ready_or_dump(&q, &d.0);
+    assert!(wait_ready_or_exit(&mut q, &d.0), "the second router exited");
     let r = request(q.public, &get("/a/_active_conns"));
     assert_eq!(r.json()["p0"], 0);
 }
