@@ -14,7 +14,7 @@ use warmroute_shm::{PeerSlot, RouteSlot, Segment};
 
 use crate::auth::{KeyFile, KeyTable};
 use crate::config::{Config, RouteConfig};
-use crate::pipeline::peer_select::Load;
+use crate::pipeline::peer_select::{fnv1a64, mix64, Affinity, Load};
 
 /// One backend of one pool, as the data path needs it.
 #[derive(Debug)]
@@ -56,18 +56,24 @@ impl PoolRt {
             .collect()
     }
 
-    /// The session's key in the segment's placement table: the session id within this pool.
-    pub fn session_key(&self, sid: &[u8]) -> u64 {
-        use crate::pipeline::peer_select::{fnv1a64, mix64};
-        mix64(fnv1a64(sid) ^ mix64(u64::from(self.slots.ctl.0) + 1))
-    }
-
-    /// The index of the peer the placement table holds for `key`, if it holds one and that
-    /// peer is still in this pool (peers are recorded by address hash, so reloads that reorder
-    /// or drop peers cannot point a session at the wrong one).
-    pub fn placed_peer(&self, seg: &Segment, key: u64, now_s: u64) -> Option<usize> {
-        let tag = seg.session_peer(key, now_s)?;
-        self.peers.iter().position(|p| p.key_hash as u32 == tag)
+    /// Under `sticky_table` and with a session id: the session's key in the segment's
+    /// placement table (the id within this pool) and the index of the peer the table holds
+    /// for it, if it holds one and that peer is still in this pool (peers are recorded by
+    /// address hash, so reloads that reorder or drop peers cannot point a session at the
+    /// wrong one). `None` for the other algorithms or without an id.
+    pub fn placement(
+        &self,
+        seg: &Segment,
+        algo: Affinity,
+        sid: Option<&[u8]>,
+        now_s: u64,
+    ) -> Option<(u64, Option<usize>)> {
+        let sid = sid.filter(|_| algo == Affinity::Table)?;
+        let key = mix64(fnv1a64(sid) ^ mix64(u64::from(self.slots.ctl.0) + 1));
+        let peer = seg
+            .session_peer(key, now_s)
+            .and_then(|tag| self.peers.iter().position(|p| p.key_hash as u32 == tag));
+        Some((key, peer))
     }
 
     /// Record that the session of `key` now lives on peer `i`.

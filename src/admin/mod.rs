@@ -432,9 +432,9 @@ fn route_endpoint(
             let algo = Affinity::from(route.cfg.opts.affinity_hash);
             let sid_bytes = session_id::hash_bytes(&sid);
             // Read-only: a debug lookup shows a sticky_table placement but never makes one.
-            let placed = (algo == Affinity::Table)
-                .then(|| pool.placed_peer(seg, pool.session_key(sid_bytes), now / 1000))
-                .flatten();
+            let placed = pool
+                .placement(seg, algo, Some(sid_bytes), now / 1000)
+                .and_then(|(_, peer)| peer);
             let natural = peer_select::natural_target(&loads, sid_bytes, algo, placed);
             let pick = peer_select::select(
                 &loads,
@@ -496,9 +496,9 @@ fn route_endpoint(
             let sid_bytes = sid.as_ref().map(|s| session_id::hash_bytes(&s.id));
             let algo = Affinity::from(route.cfg.opts.affinity_hash);
             // A dry run: it reads a sticky_table placement but never records one.
-            let placed = sid_bytes
-                .filter(|_| algo == Affinity::Table)
-                .and_then(|b| pool.placed_peer(seg, pool.session_key(b), now / 1000));
+            let placed = pool
+                .placement(seg, algo, sid_bytes, now / 1000)
+                .and_then(|(_, peer)| peer);
             let choice = peer_select::select(
                 &loads,
                 sid_bytes,

@@ -510,18 +510,16 @@ async fn proxy(
     // 7. Select; then the request transforms, on the body that goes to the peer.
     let algo = Affinity::from(opts.affinity_hash);
     let sid_bytes = sid.as_ref().map(|s| session_id::hash_bytes(&s.id));
-    let table_key = sid_bytes
-        .filter(|_| algo == Affinity::Table)
-        .map(|b| pool.session_key(b));
+    let placement = pool.placement(seg, algo, sid_bytes, now_s);
     let choice = peer_select::select(
         &loads,
         sid_bytes,
         algo,
         peer_select::Overflow::from_name(&opts.affinity_overflow),
-        table_key.and_then(|k| pool.placed_peer(seg, k, now_s)),
+        placement.and_then(|(_, peer)| peer),
         ctx.random(),
     );
-    if let (Some(k), PeerChoice::LeastConn(i)) = (table_key, choice) {
+    if let (Some((k, _)), PeerChoice::LeastConn(i)) = (placement, choice) {
         pool.place_session(seg, k, i, now_s);
     }
     let Some(first) = choice.index() else {
