@@ -64,6 +64,17 @@ sse_sample() {
   printf '{"label":"%s","unix_ms":%s,"procs":{%s},"cpu_stat":[%s]}\n' "$label" "$now" "$procs" "$stat" >>"$file"
 }
 
+# sse_progress DRIVER_LOG — log the driver's latest "[sse]" progress line, once per new line
+# (SSE_LAST_PROGRESS remembers the last one logged).
+sse_progress() {
+  local line
+  line=$(grep '^\[sse\]' "$1" 2>/dev/null | tail -n 1 || true)
+  if [[ -n $line && $line != "$SSE_LAST_PROGRESS" ]]; then
+    log "  $line"
+    SSE_LAST_PROGRESS=$line
+  fi
+}
+
 # sse_free_ports PORT — PORT, or the next multiple-of-4 step after it, such that PORT..PORT+3
 # have no listener: the mock, nginx and warmroute all bind with SO_REUSEPORT, so a leftover
 # process of another run on the same port would silently take half of the connections.
@@ -203,7 +214,7 @@ scenario_sse() {
 
   local total=$((${#parties[@]} * ${#counts[@]})) n=0
   local count party base mport pport aport mark id url samples mock_pid party_pid target_pids
-  local open_file dlog dpid out deadline last_progress line
+  local open_file dlog dpid out deadline
   for count in "${counts[@]}"; do
     for party in "${parties[@]}"; do
       n=$((n + 1))
@@ -256,15 +267,11 @@ scenario_sse() {
       # Wait until all streams are open (the driver stops waiting SSE_OPEN_TIMEOUT_MS after
       # the ramp).
       deadline=$((SECONDS + SSE_RAMP_MS / 1000 + 40))
-      last_progress=""
+      SSE_LAST_PROGRESS=""
       while [[ ! -s $open_file ]]; do
         kill -0 "$dpid" 2>/dev/null || break
         ((SECONDS < deadline)) || die "driver did not report open streams in time; see $dlog"
-        line=$(grep '^\[sse\]' "$dlog" 2>/dev/null | tail -n 1 || true)
-        if [[ -n $line && $line != "$last_progress" ]]; then
-          log "  $line"
-          last_progress=$line
-        fi
+        sse_progress "$dlog"
         sleep 0.2
       done
       if [[ -s $open_file ]]; then
@@ -284,11 +291,7 @@ scenario_sse() {
           log "  WARNING: driver still running; stopping it"
           break
         }
-        line=$(grep '^\[sse\]' "$dlog" 2>/dev/null | tail -n 1 || true)
-        if [[ -n $line && $line != "$last_progress" ]]; then
-          log "  $line"
-          last_progress=$line
-        fi
+        sse_progress "$dlog"
         sleep 0.5
       done
       if ! kill -0 "$dpid" 2>/dev/null; then
