@@ -3,6 +3,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::*;
 use serde_json::json;
 
@@ -232,7 +234,17 @@ fn injected_usage_is_recorded_but_removed_from_the_client_stream() {
         !plain.contains("\"usage\""),
         "the client did not ask for usage and gets none:\n{plain}"
     );
-    let st = request(env.public(), &get("/r/_route_state")).json();
+    // The tokens are recorded when the relay ends, which can be a moment after the client
+    // has read the last byte.
+    let mut st = serde_json::Value::Null;
+    eventually(
+        Duration::from_secs(5),
+        "the router records the tokens",
+        || {
+            st = request(env.public(), &get("/r/_route_state")).json();
+            st["cache"]["prompt_tokens"] != 0
+        },
+    );
     assert_eq!(st["transforms"]["usage_injected"], 1);
     assert_eq!(
         st["cache"]["prompt_tokens"], 6,

@@ -248,7 +248,18 @@ fn ttft_and_decode_rate_histograms_and_tokens() {
         );
         assert_eq!(r.status, 200);
     }
-    let (text, s) = scrape(&env);
+    // A response's figures are recorded when its relay ends, which can be a moment after
+    // the client has read the last byte.
+    let mut scraped = scrape(&env);
+    eventually(Duration::from_secs(5), "both responses recorded", || {
+        scraped = scrape(&env);
+        let at_least = |k: &str, n: f64| scraped.1.get(k).is_some_and(|&v| v >= n);
+        at_least(
+            r#"warmroute_decode_rate_tokens_per_second_count{route="r"}"#,
+            2.0,
+        ) && at_least(r#"warmroute_completion_tokens_total{route="r"}"#, 40.0)
+    });
+    let (text, s) = scraped;
     // Both TTFTs (300 ms plus a little) land at or below 0.5 s, none at or below 0.25 s.
     assert_eq!(val(&s, r#"warmroute_ttft_seconds_count{route="r"}"#), 2.0);
     assert_eq!(
