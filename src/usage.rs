@@ -196,6 +196,23 @@ impl<'a> Scan<'a> {
             self.skip()?;
             return Some(None);
         }
+        // The usual case, a plain integer of at most 19 digits (no overflow), without the
+        // token's UTF-8 check and `str::parse`.
+        let mut n = 0u64;
+        while let Some(d @ b'0'..=b'9') = self.peek() {
+            n = n.wrapping_mul(10).wrapping_add(u64::from(d - b'0'));
+            self.i += 1;
+        }
+        let digits = self.i - start;
+        if (1..=19).contains(&digits)
+            && matches!(
+                self.peek(),
+                None | Some(b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r')
+            )
+        {
+            return Some(Some(n));
+        }
+        self.i = start;
         self.skip()?;
         let tok = std::str::from_utf8(&self.b[start..self.i]).ok()?;
         if tok.bytes().all(|c| c.is_ascii_digit()) {
