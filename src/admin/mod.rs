@@ -81,7 +81,7 @@ impl Response {
             .as_bytes(),
         );
         for (k, v) in &self.headers {
-            crate::http::write_header(&mut out, k, v.as_bytes());
+            crate::http::write_header(&mut out, k.as_bytes(), v.as_bytes());
         }
         if !keep {
             out.extend_from_slice(b"Connection: close\r\n");

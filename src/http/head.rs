@@ -95,8 +95,9 @@ impl Headers {
         })
     }
 
-    /// Names and values as bytes: lookups compare bytes and skip UTF-8 checks.
-    fn iter_bytes(&self) -> impl Iterator<Item = (&[u8], &[u8])> + '_ {
+    /// Names and values as bytes, in wire order: for the per-request paths, which compare
+    /// and copy bytes and need no UTF-8 check of the names.
+    pub fn iter_raw(&self) -> impl Iterator<Item = (&[u8], &[u8])> + '_ {
         self.spans.iter().map(move |s| {
             (
                 &self.raw[s[0] as usize..(s[0] + s[1]) as usize],
@@ -107,21 +108,21 @@ impl Headers {
 
     /// First value of a header, case-insensitive.
     pub fn get(&self, name: &str) -> Option<&[u8]> {
-        self.iter_bytes()
+        self.iter_raw()
             .find(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
             .map(|(_, v)| v)
     }
 
     /// Every value of a header, case-insensitive.
     pub fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
-        self.iter_bytes()
+        self.iter_raw()
             .filter(move |(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
             .map(|(_, v)| v)
     }
 
     /// Whether `name` is listed in a `Connection` header as a hop-by-hop header
     /// (RFC 9110 §7.6.1). `close` and `keep-alive` are options, never header names here.
-    pub fn connection_lists(&self, name: &str) -> bool {
+    pub fn connection_lists(&self, name: &[u8]) -> bool {
         self.has_token("connection", name)
     }
 
@@ -139,10 +140,10 @@ impl Headers {
     }
 
     /// Whether any comma-separated token of any `name` header equals `token` (case-insensitive).
-    pub fn has_token(&self, name: &str, token: &str) -> bool {
+    pub fn has_token(&self, name: &str, token: &[u8]) -> bool {
         self.get_all(name).any(|v| {
             v.split(|&b| b == b',')
-                .any(|t| trim(t).eq_ignore_ascii_case(token.as_bytes()))
+                .any(|t| trim(t).eq_ignore_ascii_case(token))
         })
     }
 
@@ -217,10 +218,8 @@ fn content_length(headers: &Headers) -> Result<Option<u64>, HeadError> {
             if part.is_empty() || part.len() > 19 || !part.iter().all(u8::is_ascii_digit) {
                 return Err(HeadError::BadFraming("invalid Content-Length"));
             }
-            let n: u64 = std::str::from_utf8(part)
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .ok_or(HeadError::BadFraming("invalid Content-Length"))?;
+            // At most 19 digits: below u64::MAX, so no overflow.
+            let n = part.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
             match found {
                 Some(prev) if prev != n => {
                     return Err(HeadError::BadFraming("conflicting Content-Length headers"))
@@ -234,18 +233,18 @@ fn content_length(headers: &Headers) -> Result<Option<u64>, HeadError> {
 
 /// Whether `Transfer-Encoding` is present, and if so whether chunked is its final coding.
 fn transfer_encoding(headers: &Headers) -> Option<bool> {
-    let mut last: Option<Vec<u8>> = None;
+    let mut last: Option<&[u8]> = None;
     let mut present = false;
     for v in headers.get_all("transfer-encoding") {
         present = true;
         for t in v.split(|&b| b == b',') {
             let t = trim(t);
             if !t.is_empty() {
-                last = Some(t.to_ascii_lowercase());
+                last = Some(t);
             }
         }
     }
-    present.then(|| last.as_deref() == Some(b"chunked"))
+    present.then(|| last.is_some_and(|t| t.eq_ignore_ascii_case(b"chunked")))
 }
 
 /// Parse a request head from the start of `buf`.
@@ -304,9 +303,9 @@ pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
         (None, Some(n)) => BodyFraming::Length(n),
     };
     let keep_alive = if minor == 0 {
-        headers.has_token("connection", "keep-alive")
+        headers.has_token("connection", b"keep-alive")
     } else {
-        !headers.has_token("connection", "close")
+        !headers.has_token("connection", b"close")
     };
     let expect_continue = minor >= 1
         && headers
@@ -393,9 +392,9 @@ pub fn parse_response(
     let te = transfer_encoding(&headers);
     let cl = content_length(&headers);
     let mut reusable = if minor == 0 {
-        headers.has_token("connection", "keep-alive")
+        headers.has_token("connection", b"keep-alive")
     } else {
-        !headers.has_token("connection", "close")
+        !headers.has_token("connection", b"close")
     };
     let framing = if head_request || (100..200).contains(&code) || code == 204 || code == 304 {
         ResponseFraming::None

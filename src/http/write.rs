@@ -2,26 +2,43 @@
 
 /// Headers that describe one connection and must not be forwarded (RFC 9110 §7.6.1),
 /// plus the framing headers the proxy sets itself.
-pub fn is_hop_by_hop(name: &str) -> bool {
-    const HOP: [&str; 8] = [
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "upgrade",
-        "proxy-authenticate",
-        "proxy-authorization",
-    ];
-    HOP.iter().any(|h| h.eq_ignore_ascii_case(name))
+/// Names are compared as bytes: this runs for every header of every request and response.
+pub fn is_hop_by_hop(name: &[u8]) -> bool {
+    let is = |h: &[u8]| name.eq_ignore_ascii_case(h);
+    // Dispatch on the length first: most names match no candidate's length.
+    match name.len() {
+        2 => is(b"te"),
+        7 => is(b"trailer") || is(b"upgrade"),
+        10 => is(b"connection") || is(b"keep-alive"),
+        16 => is(b"proxy-connection"),
+        18 => is(b"proxy-authenticate"),
+        19 => is(b"proxy-authorization"),
+        _ => false,
+    }
 }
 
 /// Append `name: value\r\n`.
-pub fn write_header(out: &mut Vec<u8>, name: &str, value: &[u8]) {
-    out.extend_from_slice(name.as_bytes());
+pub fn write_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.reserve(name.len() + value.len() + 4);
+    out.extend_from_slice(name);
     out.extend_from_slice(b": ");
     out.extend_from_slice(value);
     out.extend_from_slice(b"\r\n");
+}
+
+/// Append `n` in decimal, without going through `fmt` (heads are written per request).
+pub fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
 }
 
 /// Reason phrase for the statuses the router itself produces.
@@ -56,17 +73,55 @@ mod tests {
 
     #[test]
     fn hop_by_hop_is_case_insensitive() {
-        assert!(is_hop_by_hop("Connection"));
-        assert!(is_hop_by_hop("keep-alive"));
-        assert!(!is_hop_by_hop("Content-Type"));
-        assert!(!is_hop_by_hop("Transfer-Encoding"));
+        for h in [
+            "Connection",
+            "keep-alive",
+            "Proxy-Connection",
+            "TE",
+            "Trailer",
+            "Upgrade",
+            "Proxy-Authenticate",
+            "proxy-authorization",
+        ] {
+            assert!(is_hop_by_hop(h.as_bytes()), "{h}");
+        }
+        for h in [
+            "Content-Type",
+            "Transfer-Encoding",
+            "tf",
+            "Upgrades",
+            "x",
+            "",
+        ] {
+            assert!(!is_hop_by_hop(h.as_bytes()), "{h}");
+        }
     }
 
     #[test]
     fn header_line() {
         let mut v = Vec::new();
-        write_header(&mut v, "X-A", b"1");
+        write_header(&mut v, b"X-A", b"1");
         assert_eq!(v, b"X-A: 1\r\n");
         assert_eq!(status_reason(431), "Request Header Fields Too Large");
+    }
+
+    #[test]
+    fn decimals_match_fmt() {
+        for n in [
+            0,
+            1,
+            9,
+            10,
+            99,
+            100,
+            12345,
+            u64::from(u32::MAX),
+            u64::MAX - 1,
+            u64::MAX,
+        ] {
+            let mut v = b"x".to_vec();
+            push_decimal(&mut v, n);
+            assert_eq!(v, format!("x{n}").into_bytes());
+        }
     }
 }

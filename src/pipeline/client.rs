@@ -14,6 +14,7 @@ use monoio::io::{
     OwnedWriteHalf,
 };
 use monoio::net::TcpStream;
+use monoio::time::{Instant, Sleep};
 use monoio::BufResult;
 
 use crate::http::{self, BodyFraming, ChunkedDecoder, HeadParse, RequestHead};
@@ -29,6 +30,57 @@ pub struct ClientConn {
     pub addr: SocketAddr,
     /// The client's IP as text, formatted once per connection for the forwarding headers.
     pub ip: String,
+    /// The connection's one timer, moved to each wait's deadline (see [`until`]).
+    pub timer: Timer,
+}
+
+/// A timer made once per connection and reset for each wait: a fresh timeout per read
+/// would build, register and drop a timer entry (about 400 bytes, cache-line padded)
+/// every time, for every request and every streamed event.
+pub type Timer = Pin<Box<Sleep>>;
+
+/// A new connection timer, not armed until a wait sets its deadline.
+pub fn new_timer() -> Timer {
+    Box::pin(monoio::time::sleep(Duration::from_secs(365 * 24 * 3600)))
+}
+
+/// A wait's deadline passed first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimedOut;
+
+/// Run `fut` unless `deadline` passes first, on the connection's timer.
+pub async fn until<T>(
+    timer: &mut Timer,
+    deadline: Instant,
+    fut: impl Future<Output = T>,
+) -> Result<T, TimedOut> {
+    if timer.deadline() != deadline {
+        timer.as_mut().reset(deadline);
+    }
+    let mut fut = std::pin::pin!(fut);
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(v) = fut.as_mut().poll(cx) {
+            return Poll::Ready(Ok(v));
+        }
+        if timer.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(TimedOut));
+        }
+        Poll::Pending
+    })
+    .await
+}
+
+/// Read more bytes into `inbuf`. Ok(0) = EOF.
+async fn fill(rd: &mut OwnedReadHalf<TcpStream>, inbuf: &mut Vec<u8>) -> std::io::Result<usize> {
+    if inbuf.capacity() - inbuf.len() < 1024 {
+        inbuf.reserve(CLIENT_READ_BUF_BYTES);
+    }
+    let buf = std::mem::take(inbuf);
+    let len = buf.len();
+    let cap = buf.capacity();
+    let (res, slice) = rd.read(buf.slice_mut(len..cap)).await;
+    *inbuf = slice.into_inner();
+    res
 }
 
 /// What waiting for a request head produced.
@@ -41,19 +93,6 @@ pub enum HeadRead {
 }
 
 impl ClientConn {
-    /// Read more bytes, appending to `inbuf`. Ok(0) = EOF.
-    async fn fill(&mut self) -> std::io::Result<usize> {
-        if self.inbuf.capacity() - self.inbuf.len() < 1024 {
-            self.inbuf.reserve(CLIENT_READ_BUF_BYTES);
-        }
-        let buf = std::mem::take(&mut self.inbuf);
-        let len = buf.len();
-        let cap = buf.capacity();
-        let (res, slice) = self.rd.read(buf.slice_mut(len..cap)).await;
-        self.inbuf = slice.into_inner();
-        res
-    }
-
     /// Wait for the next request head. `idle` bounds the wait for its first byte,
     /// `head_timeout` the time to receive the rest.
     pub async fn read_head(
@@ -76,13 +115,11 @@ impl ClientConn {
                 }
             }
             let wait = if started {
-                let d =
-                    *deadline.get_or_insert_with(|| monoio::time::Instant::now() + head_timeout);
-                d.saturating_duration_since(monoio::time::Instant::now())
+                *deadline.get_or_insert_with(|| Instant::now() + head_timeout)
             } else {
-                idle
+                Instant::now() + idle
             };
-            let read = monoio::time::timeout(wait, self.fill());
+            let read = until(&mut self.timer, wait, fill(&mut self.rd, &mut self.inbuf));
             let r = match drain {
                 // Between requests a draining worker closes idle connections at once.
                 Some(drain) if !started => match crate::util::race(read, drain.wait()).await {
@@ -127,8 +164,9 @@ impl ClientConn {
                 self.inbuf.drain(..have);
                 while body.len() < n {
                     let len = body.len();
-                    let (res, slice) = match monoio::time::timeout(
-                        read_timeout,
+                    let (res, slice) = match until(
+                        &mut self.timer,
+                        Instant::now() + read_timeout,
                         self.rd.read(body.slice_mut(len..n)),
                     )
                     .await
@@ -171,7 +209,9 @@ impl ClientConn {
                             return Ok(Bytes::from(body));
                         }
                     }
-                    match monoio::time::timeout(read_timeout, self.fill()).await {
+                    let deadline = Instant::now() + read_timeout;
+                    let read = fill(&mut self.rd, &mut self.inbuf);
+                    match until(&mut self.timer, deadline, read).await {
                         Err(_) => return Err(ProxyError::BodyTimeout),
                         Ok(Ok(0)) | Ok(Err(_)) => return Err(ProxyError::ClientGone),
                         Ok(Ok(_)) => {}
@@ -190,7 +230,7 @@ impl ClientConn {
     /// connection (and discard our response) because of unread request bytes.
     pub async fn linger_close(mut self) {
         let _ = self.wr.shutdown().await;
-        let deadline = monoio::time::Instant::now() + LINGER;
+        let deadline = Instant::now() + LINGER;
         let mut discarded = 0usize;
         let mut buf = std::mem::take(&mut self.inbuf);
         while discarded < LINGER_BYTES_MAX {
@@ -198,7 +238,7 @@ impl ClientConn {
             if buf.capacity() < CLIENT_READ_BUF_BYTES {
                 buf.reserve(CLIENT_READ_BUF_BYTES);
             }
-            match monoio::time::timeout_at(deadline, self.rd.read(buf)).await {
+            match until(&mut self.timer, deadline, self.rd.read(buf)).await {
                 Ok((Ok(n), b)) if n > 0 => {
                     discarded += n;
                     buf = b;
@@ -233,10 +273,12 @@ pub async fn write_client(
 /// that leaves is still noticed at most that delay late.
 pub struct ClientWatch<'a> {
     rd: Option<&'a mut OwnedReadHalf<TcpStream>>,
+    /// The connection's timer: the arm time and the deadline of each wait share it.
+    timer: &'a mut Timer,
     fut: Option<WatchRead<'a>>,
     canceller: monoio::io::Canceller,
     done: Option<BufResult<usize, Vec<u8>>>,
-    arm_at: monoio::time::Instant,
+    arm_at: Instant,
 }
 
 /// The armed watch read.
@@ -246,14 +288,23 @@ type WatchRead<'a> = Pin<Box<dyn Future<Output = BufResult<usize, Vec<u8>>> + 'a
 #[derive(Debug)]
 pub struct ClientGone;
 
+/// Why a watched wait ended without its result.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Stopped {
+    ClientGone,
+    /// The wait's deadline passed.
+    TimedOut,
+}
+
 impl<'a> ClientWatch<'a> {
-    pub fn new(rd: &'a mut OwnedReadHalf<TcpStream>) -> Self {
+    pub fn new(rd: &'a mut OwnedReadHalf<TcpStream>, timer: &'a mut Timer) -> Self {
         ClientWatch {
             rd: Some(rd),
+            timer,
             fut: None,
             canceller: monoio::io::Canceller::new(),
             done: None,
-            arm_at: monoio::time::Instant::now() + WATCH_ARM_DELAY,
+            arm_at: Instant::now() + WATCH_ARM_DELAY,
         }
     }
 
@@ -263,19 +314,45 @@ impl<'a> ClientWatch<'a> {
 
     /// Run `other` to completion unless the client goes away first.
     pub async fn race<T>(&mut self, other: impl Future<Output = T>) -> Result<T, ClientGone> {
+        match self.race_until(None, other).await {
+            Ok(v) => Ok(v),
+            Err(_) => Err(ClientGone),
+        }
+    }
+
+    /// Run `other` to completion unless the client goes away or `deadline` passes first.
+    /// One timer serves both the watch's arm time and the deadline: it is set to whichever
+    /// comes first, and moved on to the deadline once the watch is armed.
+    pub async fn race_until<T>(
+        &mut self,
+        deadline: Option<Instant>,
+        other: impl Future<Output = T>,
+    ) -> Result<T, Stopped> {
         if self.gone() {
-            return Err(ClientGone);
+            return Err(Stopped::ClientGone);
         }
         let mut other = std::pin::pin!(other);
-        let mut arm = std::pin::pin!(monoio::time::sleep_until(self.arm_at));
         std::future::poll_fn(|cx| {
             if let Poll::Ready(v) = other.as_mut().poll(cx) {
                 return Poll::Ready(Ok(v));
             }
-            if self.fut.is_none() && self.done.is_none() {
-                if arm.as_mut().poll(cx).is_pending() {
-                    return Poll::Pending;
+            loop {
+                let arm = self.rd.is_some().then_some(self.arm_at);
+                let due = match (arm, deadline) {
+                    (Some(a), Some(d)) => a.min(d),
+                    (Some(t), None) | (None, Some(t)) => t,
+                    (None, None) => break,
+                };
+                if self.timer.deadline() != due {
+                    self.timer.as_mut().reset(due);
                 }
+                if self.timer.as_mut().poll(cx).is_pending() {
+                    break;
+                }
+                if deadline.is_some_and(|d| d <= due) {
+                    return Poll::Ready(Err(Stopped::TimedOut));
+                }
+                // The arm time came: issue the watch read, then wait for the deadline.
                 if let Some(rd) = self.rd.take() {
                     let buf = Vec::with_capacity(WATCH_BUF_BYTES);
                     self.fut = Some(Box::pin(rd.cancelable_read(buf, self.canceller.handle())));
@@ -286,7 +363,7 @@ impl<'a> ClientWatch<'a> {
                     self.fut = None;
                     self.done = Some(r);
                     if self.gone() {
-                        return Poll::Ready(Err(ClientGone));
+                        return Poll::Ready(Err(Stopped::ClientGone));
                     }
                 }
             }

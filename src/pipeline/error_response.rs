@@ -259,7 +259,7 @@ pub fn json_response(status: u16, body: &Value, extra: &[(&str, &str)], close: b
     out.extend_from_slice(b"Content-Type: application/json\r\n");
     out.extend_from_slice(format!("Content-Length: {}\r\n", body.len()).as_bytes());
     for (k, v) in extra {
-        crate::http::write_header(&mut out, k, v.as_bytes());
+        crate::http::write_header(&mut out, k.as_bytes(), v.as_bytes());
     }
     if close {
         out.extend_from_slice(b"Connection: close\r\n");

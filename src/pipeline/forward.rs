@@ -15,20 +15,21 @@ use crate::limits::{INLINE_BODY_BYTES_MAX, INTERIM_RESPONSES_MAX, RELAY_READ_BUF
 use crate::snapshot::PeerRt;
 use crate::upstream::UpstreamPool;
 
-use super::client::{ClientGone, ClientWatch};
+use super::client::{ClientWatch, Stopped};
 
 /// Headers the proxy sets itself and so never copies from the client.
-fn replaced_by_proxy(name: &str) -> bool {
-    const SET: [&str; 7] = [
-        "host",
-        "content-length",
-        "transfer-encoding",
-        "expect",
-        "x-forwarded-for",
-        "x-real-ip",
-        "x-forwarded-proto",
-    ];
-    SET.iter().any(|h| h.eq_ignore_ascii_case(name))
+fn replaced_by_proxy(name: &[u8]) -> bool {
+    let is = |h: &[u8]| name.eq_ignore_ascii_case(h);
+    // Dispatch on the length first: most names match no candidate's length.
+    match name.len() {
+        4 => is(b"host"),
+        6 => is(b"expect"),
+        9 => is(b"x-real-ip"),
+        14 => is(b"content-length"),
+        15 => is(b"x-forwarded-for"),
+        17 => is(b"transfer-encoding") || is(b"x-forwarded-proto"),
+        _ => false,
+    }
 }
 
 /// The request for the peer, in one buffer: method, rewritten target, the client's
@@ -44,7 +45,6 @@ pub fn build_request(
     body: &[u8],
     authorization: Option<&str>,
 ) -> (Vec<u8>, bool) {
-    use std::io::Write;
     let inline = body.len() <= INLINE_BODY_BYTES_MAX;
     let mut out =
         Vec::with_capacity(384 + head.headers.len() * 48 + if inline { body.len() } else { 0 });
@@ -52,9 +52,9 @@ pub fn build_request(
     out.push(b' ');
     out.extend_from_slice(target.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
-    write_header(&mut out, "Host", peer.host_header.as_bytes());
+    write_header(&mut out, b"Host", peer.host_header.as_bytes());
     let listed = head.headers.connection_names_headers();
-    for (name, value) in head.headers.iter() {
+    for (name, value) in head.headers.iter_raw() {
         if is_hop_by_hop(name)
             || replaced_by_proxy(name)
             || (listed && head.headers.connection_lists(name))
@@ -62,8 +62,8 @@ pub fn build_request(
             continue;
         }
         if authorization.is_some()
-            && (name.eq_ignore_ascii_case("authorization")
-                || name.eq_ignore_ascii_case("x-api-key"))
+            && (name.eq_ignore_ascii_case(b"authorization")
+                || name.eq_ignore_ascii_case(b"x-api-key"))
         {
             continue;
         }
@@ -80,13 +80,15 @@ pub fn build_request(
     out.extend_from_slice(client_ip.as_bytes());
     out.extend_from_slice(b"\r\nX-Forwarded-Proto: http\r\n");
     if let Some(a) = authorization {
-        write_header(&mut out, "Authorization", a.as_bytes());
+        write_header(&mut out, b"Authorization", a.as_bytes());
     }
     if !body.is_empty()
         || !matches!(head.body, http::BodyFraming::None)
         || matches!(head.method(), "POST" | "PUT" | "PATCH")
     {
-        let _ = write!(out, "Content-Length: {}\r\n", body.len());
+        out.extend_from_slice(b"Content-Length: ");
+        http::push_decimal(&mut out, body.len() as u64);
+        out.extend_from_slice(b"\r\n");
     }
     out.extend_from_slice(b"\r\n");
     if inline {
@@ -201,12 +203,15 @@ async fn connect(
     timeout: Duration,
     watch: &mut ClientWatch<'_>,
 ) -> Result<TcpStream, ExchangeError> {
-    let fut = monoio::time::timeout(timeout, TcpStream::connect_addr(addr));
-    match watch.race(fut).await {
-        Err(ClientGone) => Err(ExchangeError::ClientGone),
-        Ok(Err(_)) => Err(ExchangeError::ConnectTimeout),
-        Ok(Ok(Err(e))) => Err(ExchangeError::Connect(e)),
-        Ok(Ok(Ok(s))) => {
+    let deadline = monoio::time::Instant::now() + timeout;
+    match watch
+        .race_until(Some(deadline), TcpStream::connect_addr(addr))
+        .await
+    {
+        Err(Stopped::ClientGone) => Err(ExchangeError::ClientGone),
+        Err(Stopped::TimedOut) => Err(ExchangeError::ConnectTimeout),
+        Ok(Err(e)) => Err(ExchangeError::Connect(e)),
+        Ok(Ok(s)) => {
             let _ = s.set_nodelay(true);
             Ok(s)
         }
@@ -265,12 +270,13 @@ async fn send_and_read_head(
         }
         let len = buf.len();
         let cap = buf.capacity();
-        let read = monoio::time::timeout_at(deadline, stream.read(buf.slice_mut(len..cap)));
-        let raced = watch.race(read).await;
-        let (res, slice) = match raced {
-            Err(_) => return Err((gone(), Vec::new(), None)),
-            Ok(Err(_)) => return Err((SendError::Fatal(ExchangeError::Timeout), Vec::new(), None)),
-            Ok(Ok(r)) => r,
+        let read = stream.read(buf.slice_mut(len..cap));
+        let (res, slice) = match watch.race_until(Some(deadline), read).await {
+            Err(Stopped::ClientGone) => return Err((gone(), Vec::new(), None)),
+            Err(Stopped::TimedOut) => {
+                return Err((SendError::Fatal(ExchangeError::Timeout), Vec::new(), None))
+            }
+            Ok(r) => r,
         };
         buf = slice.into_inner();
         match res {

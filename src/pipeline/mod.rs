@@ -34,7 +34,8 @@ use crate::control::{
     latency::{self, Signal},
 };
 use crate::http::{
-    is_hop_by_hop, status_reason, write_header, RequestHead, ResponseFraming, ResponseHead,
+    is_hop_by_hop, push_decimal, status_reason, write_header, RequestHead, ResponseFraming,
+    ResponseHead,
 };
 use crate::snapshot::{PeerRt, RouteRt, Snapshot};
 use crate::worker::{PortKind, WorkerCtx};
@@ -95,6 +96,7 @@ pub async fn serve_client(ctx: Rc<WorkerCtx>, stream: TcpStream, addr: SocketAdd
         inbuf: Vec::new(),
         addr,
         ip: addr.ip().to_string(),
+        timer: client::new_timer(),
     };
     loop {
         let (idle, head_timeout) = {
@@ -559,7 +561,7 @@ async fn proxy(
     // 8. From here on the client is watched: if it leaves, the upstream is closed at
     //    once. The block scopes the watch's borrow of the connection.
     let (phase, pipelined) = {
-        let mut watch = ClientWatch::new(&mut conn.rd);
+        let mut watch = ClientWatch::new(&mut conn.rd, &mut conn.timer);
 
         // 9. Forward; retry on connect failures and 502/503 while nothing reached the
         //    client. Retry targets are lined up only when a first attempt failed.
@@ -1212,9 +1214,10 @@ fn client_head(
     keep: bool,
     client: ClientFraming,
 ) {
-    use std::io::Write;
     out.reserve(512 + up.headers.len() * 48);
-    let _ = write!(out, "HTTP/1.1 {} ", up.status);
+    out.extend_from_slice(b"HTTP/1.1 ");
+    push_decimal(out, u64::from(up.status));
+    out.push(b' ');
     let reason = up.reason();
     out.extend_from_slice(
         if reason.is_empty() {
@@ -1226,29 +1229,32 @@ fn client_head(
     );
     out.extend_from_slice(b"\r\n");
     let listed = up.headers.connection_names_headers();
-    for (name, value) in up.headers.iter() {
+    let reframed = client != ClientFraming::Passthrough;
+    for (name, value) in up.headers.iter_raw() {
         if is_hop_by_hop(name) || (listed && up.headers.connection_lists(name)) {
             continue;
         }
         // Re-framed bodies carry our framing, not the peer's.
-        if client != ClientFraming::Passthrough
-            && (name.eq_ignore_ascii_case("transfer-encoding")
-                || name.eq_ignore_ascii_case("content-length"))
+        if reframed
+            && (name.eq_ignore_ascii_case(b"transfer-encoding")
+                || name.eq_ignore_ascii_case(b"content-length"))
         {
             continue;
         }
         // A peer's own routing headers never reach the client: ours describe this hop.
-        if name.len() > 9 && name[..9].eq_ignore_ascii_case("x-routed-") {
+        if name.len() > 9 && name[..9].eq_ignore_ascii_case(b"x-routed-") {
             continue;
         }
         write_header(out, name, value);
     }
     if routing.expose {
-        write_header(out, "X-Routed-Session", routing.session.as_bytes());
-        write_header(out, "X-Routed-Source", routing.source.as_bytes());
-        write_header(out, "X-Routed-Mode", routing.mode.as_bytes());
-        write_header(out, "X-Routed-Peer", routed.peer.name.as_bytes());
-        let _ = write!(out, "X-Routed-Retries: {}\r\n", routed.retries);
+        write_header(out, b"X-Routed-Session", routing.session.as_bytes());
+        write_header(out, b"X-Routed-Source", routing.source.as_bytes());
+        write_header(out, b"X-Routed-Mode", routing.mode.as_bytes());
+        write_header(out, b"X-Routed-Peer", routed.peer.name.as_bytes());
+        out.extend_from_slice(b"X-Routed-Retries: ");
+        push_decimal(out, u64::from(routed.retries));
+        out.extend_from_slice(b"\r\n");
     }
     if client == ClientFraming::Chunked {
         out.extend_from_slice(b"Transfer-Encoding: chunked\r\n");

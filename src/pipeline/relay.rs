@@ -13,7 +13,7 @@ use crate::limits::RELAY_READ_BUF_BYTES;
 
 use monoio::io::OwnedWriteHalf;
 
-use super::client::{write_client, ClientWatch};
+use super::client::{write_client, ClientWatch, Stopped};
 
 /// How the relay ended.
 #[derive(Debug)]
@@ -319,16 +319,17 @@ pub async fn relay(
             pending = Vec::with_capacity(want);
         }
         let cap = pending.capacity();
-        let read = monoio::time::timeout(plan.idle_timeout, up.read(pending.slice_mut(0..cap)));
-        let (res, slice) = match watch.race(read).await {
-            Err(_) => return (RelayEnd::ClientGone, None),
-            Ok(Err(_)) => {
+        let deadline = monoio::time::Instant::now() + plan.idle_timeout;
+        let read = up.read(pending.slice_mut(0..cap));
+        let (res, slice) = match watch.race_until(Some(deadline), read).await {
+            Err(Stopped::ClientGone) => return (RelayEnd::ClientGone, None),
+            Err(Stopped::TimedOut) => {
                 return (
                     RelayEnd::UpstreamError("peer idle longer than the idle timeout"),
                     None,
                 )
             }
-            Ok(Ok(r)) => r,
+            Ok(r) => r,
         };
         pending = slice.into_inner();
         match res {
