@@ -52,14 +52,56 @@ impl HeadError {
 pub struct Headers {
     raw: Vec<u8>,
     spans: Vec<[u32; 4]>,
+    /// Which of the [`LOOKED_UP`] names occur: a lookup of an absent one returns at once
+    /// instead of comparing every name (most requests carry none of them).
+    present: u16,
+}
+
+/// Header names the per-request paths look up and that requests usually do not carry.
+const LOOKED_UP: [&str; 10] = [
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "expect",
+    "x-forwarded-for",
+    "authorization",
+    "x-api-key",
+    "x-litellm-session-id",
+    "x-claude-code-session-id",
+    "x-session-id",
+];
+
+/// The [`LOOKED_UP`] bit of a name (case-insensitive), 0 for other names. The listed
+/// names all differ in length, so one comparison at most.
+fn looked_up_bit(name: &[u8]) -> u16 {
+    let i = match name.len() {
+        14 => 0,
+        17 => 1,
+        10 => 2,
+        6 => 3,
+        15 => 4,
+        13 => 5,
+        9 => 6,
+        20 => 7,
+        24 => 8,
+        12 => 9,
+        _ => return 0,
+    };
+    if super::write::name_is(name, LOOKED_UP[i].as_bytes()) {
+        1 << i
+    } else {
+        0
+    }
 }
 
 impl Headers {
     fn from_parsed(raw: &[u8], list: &[httparse::Header<'_>]) -> Headers {
         let base = raw.as_ptr() as usize;
+        let mut present = 0;
         let spans = list
             .iter()
             .map(|h| {
+                present |= looked_up_bit(h.name.as_bytes());
                 // httparse hands out sub-slices of `raw`, so the offsets are in range.
                 let n = h.name.as_ptr() as usize - base;
                 let v = h.value.as_ptr() as usize - base;
@@ -74,7 +116,14 @@ impl Headers {
         Headers {
             raw: raw.to_vec(),
             spans,
+            present,
         }
+    }
+
+    /// False only when `name` is one of [`LOOKED_UP`] and absent.
+    fn may_have(&self, name: &str) -> bool {
+        let bit = looked_up_bit(name.as_bytes());
+        bit == 0 || self.present & bit != 0
     }
 
     pub fn len(&self) -> usize {
@@ -98,16 +147,26 @@ impl Headers {
     /// Names and values as bytes, in wire order: for the per-request paths, which compare
     /// and copy bytes and need no UTF-8 check of the names.
     pub fn iter_raw(&self) -> impl Iterator<Item = (&[u8], &[u8])> + '_ {
-        self.spans.iter().map(move |s| {
+        Headers::raw_pairs(&self.raw, &self.spans)
+    }
+
+    fn raw_pairs<'a>(
+        raw: &'a [u8],
+        spans: &'a [[u32; 4]],
+    ) -> impl Iterator<Item = (&'a [u8], &'a [u8])> + 'a {
+        spans.iter().map(move |s| {
             (
-                &self.raw[s[0] as usize..(s[0] + s[1]) as usize],
-                &self.raw[s[2] as usize..(s[2] + s[3]) as usize],
+                &raw[s[0] as usize..(s[0] + s[1]) as usize],
+                &raw[s[2] as usize..(s[2] + s[3]) as usize],
             )
         })
     }
 
     /// First value of a header, case-insensitive.
     pub fn get(&self, name: &str) -> Option<&[u8]> {
+        if !self.may_have(name) {
+            return None;
+        }
         self.iter_raw()
             .find(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
             .map(|(_, v)| v)
@@ -115,7 +174,12 @@ impl Headers {
 
     /// Every value of a header, case-insensitive.
     pub fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
-        self.iter_raw()
+        let spans = if self.may_have(name) {
+            &self.spans[..]
+        } else {
+            &[]
+        };
+        Headers::raw_pairs(&self.raw, spans)
             .filter(move |(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
             .map(|(_, v)| v)
     }
@@ -438,6 +502,30 @@ pub fn parse_response(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lookups_of_listed_names_skip_absent_ones_and_find_present_ones() {
+        let h = req("GET / HTTP/1.1\r\nX-SESSION-ID: a\r\nX-Forwarded-For: 1.2.3.4\r\nx-forwarded-for: 5.6.7.8\r\nX-Other: o\r\n\r\n")
+            .unwrap()
+            .headers;
+        // Listed and present, in any case.
+        assert_eq!(h.get("x-session-id"), Some(&b"a"[..]));
+        let xff: Vec<&[u8]> = h.get_all("x-forwarded-for").collect();
+        assert_eq!(xff, [&b"1.2.3.4"[..], b"5.6.7.8"]);
+        // Listed and absent.
+        assert_eq!(h.get("authorization"), None);
+        assert_eq!(h.get_all("x-litellm-session-id").count(), 0);
+        // Not listed: looked up by comparing names.
+        assert_eq!(h.get("x-other"), Some(&b"o"[..]));
+        assert_eq!(h.get("x-missing"), None);
+        // Every listed name maps to its own bit, whatever its case; others to none.
+        for (i, n) in LOOKED_UP.iter().enumerate() {
+            assert_eq!(looked_up_bit(n.to_ascii_uppercase().as_bytes()), 1 << i);
+            assert!(LOOKED_UP[..i].iter().all(|m| m.len() != n.len()));
+        }
+        assert_eq!(looked_up_bit(b"x-sessionid"), 0);
+        assert_eq!(looked_up_bit(&[b'a'; 40]), 0);
+    }
 
     fn req(s: &str) -> Result<RequestHead, HeadError> {
         match parse_request(s.as_bytes())? {

@@ -15,4 +15,4 @@ pub use head::{
     parse_request, parse_response, BodyFraming, HeadError, HeadParse, Headers, RequestHead,
     ResponseFraming, ResponseHead,
 };
-pub use write::{is_hop_by_hop, push_decimal, status_reason, write_header};
+pub use write::{is_hop_by_hop, name_is, push_decimal, status_reason, write_header};

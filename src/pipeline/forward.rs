@@ -19,7 +19,7 @@ use super::client::{ClientWatch, Stopped};
 
 /// Headers the proxy sets itself and so never copies from the client.
 fn replaced_by_proxy(name: &[u8]) -> bool {
-    let is = |h: &[u8]| name.eq_ignore_ascii_case(h);
+    let is = |h: &[u8]| http::name_is(name, h);
     // Dispatch on the length first: most names match no candidate's length.
     match name.len() {
         4 => is(b"host"),
@@ -62,8 +62,7 @@ pub fn build_request(
             continue;
         }
         if authorization.is_some()
-            && (name.eq_ignore_ascii_case(b"authorization")
-                || name.eq_ignore_ascii_case(b"x-api-key"))
+            && (http::name_is(name, b"authorization") || http::name_is(name, b"x-api-key"))
         {
             continue;
         }

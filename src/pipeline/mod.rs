@@ -34,8 +34,8 @@ use crate::control::{
     latency::{self, Signal},
 };
 use crate::http::{
-    is_hop_by_hop, push_decimal, status_reason, write_header, RequestHead, ResponseFraming,
-    ResponseHead,
+    is_hop_by_hop, name_is, push_decimal, status_reason, write_header, RequestHead,
+    ResponseFraming, ResponseHead,
 };
 use crate::snapshot::{PeerRt, RouteRt, Snapshot};
 use crate::worker::{PortKind, WorkerCtx};
@@ -1235,14 +1235,11 @@ fn client_head(
             continue;
         }
         // Re-framed bodies carry our framing, not the peer's.
-        if reframed
-            && (name.eq_ignore_ascii_case(b"transfer-encoding")
-                || name.eq_ignore_ascii_case(b"content-length"))
-        {
+        if reframed && (name_is(name, b"transfer-encoding") || name_is(name, b"content-length")) {
             continue;
         }
         // A peer's own routing headers never reach the client: ours describe this hop.
-        if name.len() > 9 && name[..9].eq_ignore_ascii_case(b"x-routed-") {
+        if name.len() > 9 && name_is(&name[..9], b"x-routed-") {
             continue;
         }
         write_header(out, name, value);
