@@ -9,6 +9,7 @@
 pub mod admin;
 pub mod auth;
 pub mod bodylog;
+pub mod bytescan;
 pub mod cells;
 pub mod config;
 pub mod control;

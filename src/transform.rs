@@ -827,29 +827,7 @@ pub fn is_usage_only_frame(data: &[u8]) -> bool {
 /// Index of the first `\n` or `\r` in `s`. Eight bytes at a time: a stream is mostly long
 /// `data:` lines, and a byte-by-byte search was the filter's largest cost.
 fn line_end(s: &[u8]) -> Option<usize> {
-    const LO: u64 = 0x0101_0101_0101_0101;
-    const HI: u64 = 0x8080_8080_8080_8080;
-    const LF: u64 = LO * b'\n' as u64;
-    const CR: u64 = LO * b'\r' as u64;
-    let mut chunks = s.chunks_exact(8);
-    let mut base = 0;
-    for c in &mut chunks {
-        let w = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
-        let (a, b) = (w ^ LF, w ^ CR);
-        // A byte of `a` (or `b`) is zero where `w` has a LF (CR). The test flags every zero
-        // byte; it may also flag bytes above one (the borrow), never below, so the lowest
-        // flag is the first line end.
-        let hit = ((a.wrapping_sub(LO) & !a) | (b.wrapping_sub(LO) & !b)) & HI;
-        if hit != 0 {
-            return Some(base + (hit.trailing_zeros() / 8) as usize);
-        }
-        base += 8;
-    }
-    chunks
-        .remainder()
-        .iter()
-        .position(|&b| b == b'\n' || b == b'\r')
-        .map(|p| base + p)
+    crate::bytescan::find_either(s, b'\n', b'\r')
 }
 
 /// The value of a `data:` line (without its terminator): after `data:` and one optional space.

@@ -5,6 +5,8 @@
 
 use serde_json::Value;
 
+use crate::bytescan::{find_either, rfind};
+
 /// Token counts of a response (SPEC §5.2).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Usage {
@@ -64,10 +66,15 @@ pub fn usage_from_slice(bytes: &[u8]) -> Option<Usage> {
 /// The usage of a non-streaming JSON response, from the last `"usage"` object in its tail.
 pub fn usage_in_json_tail(tail: &[u8]) -> Option<Usage> {
     const KEY: &[u8] = b"\"usage\"";
-    // Backwards over the quotes only: cheaper than comparing a window at every byte.
-    let at = (0..tail.len().saturating_sub(KEY.len() - 1))
-        .rev()
-        .find(|&i| tail[i] == b'"' && tail[i..].starts_with(KEY))?;
+    // Backwards from quote to quote: cheaper than comparing a window at every byte.
+    let mut end = tail.len();
+    let at = loop {
+        let q = rfind(&tail[..end], b'"')?;
+        if tail[q..].starts_with(KEY) {
+            break q;
+        }
+        end = q;
+    };
     let open = at + tail[at..].iter().position(|&b| b == b'{')?;
     usage_from_slice(&tail[open..])
 }
@@ -107,6 +114,31 @@ impl Probe {
     }
 }
 
+/// The keys the probe reads; everything else is `Other`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Key {
+    Prompt,
+    Completion,
+    Cached,
+    Usage,
+    Details,
+    Other,
+}
+
+impl Key {
+    /// By length first: one or two comparisons instead of one per known key.
+    fn of(raw: &[u8]) -> Key {
+        match raw.len() {
+            5 if raw == b"usage" => Key::Usage,
+            13 if raw == b"prompt_tokens" => Key::Prompt,
+            13 if raw == b"cached_tokens" => Key::Cached,
+            17 if raw == b"completion_tokens" => Key::Completion,
+            21 if raw == b"prompt_tokens_details" => Key::Details,
+            _ => Key::Other,
+        }
+    }
+}
+
 /// A cursor over JSON bytes.
 struct Scan<'a> {
     b: &'a [u8],
@@ -134,16 +166,14 @@ impl<'a> Scan<'a> {
     fn string(&mut self) -> Option<&'a [u8]> {
         self.i += 1;
         let start = self.i;
+        let b: &'a [u8] = self.b;
         loop {
-            match *self.b.get(self.i)? {
-                b'"' => {
-                    self.i += 1;
-                    let b: &'a [u8] = self.b;
-                    return Some(&b[start..self.i - 1]);
-                }
-                b'\\' => self.i += 2,
-                _ => self.i += 1,
+            let at = self.i + find_either(b.get(self.i..)?, b'"', b'\\')?;
+            if b[at] == b'"' {
+                self.i = at + 1;
+                return Some(&b[start..at]);
             }
+            self.i = at + 2;
         }
     }
 
@@ -241,27 +271,27 @@ impl<'a> Scan<'a> {
             if self.peek()? != b'"' {
                 return None;
             }
-            let key = self.string()?;
+            let key = Key::of(self.string()?);
             self.eat(b':')?;
             self.ws();
             match key {
-                b"prompt_tokens" => {
+                Key::Prompt => {
                     p.has_counts = true;
                     p.prompt = self.count()?;
                 }
-                b"completion_tokens" => {
+                Key::Completion => {
                     p.has_counts = true;
                     p.completion = self.count()?;
                 }
-                b"cached_tokens" => p.cached = self.count()?,
-                b"usage" | b"prompt_tokens_details" => {
+                Key::Cached => p.cached = self.count()?,
+                Key::Usage | Key::Details => {
                     let nested = if depth > 0 && self.peek()? == b'{' {
                         self.object(depth - 1)?
                     } else {
                         self.skip()?;
                         Probe::default()
                     };
-                    if key == b"usage" {
+                    if key == Key::Usage {
                         p.usage = nested.object.then(|| nested.counts());
                     } else {
                         p.details_cached = nested.cached.filter(|_| nested.object);
