@@ -276,7 +276,8 @@ pub struct ClientWatch<'a> {
     /// The connection's timer: the arm time and the deadline of each wait share it.
     timer: &'a mut Timer,
     fut: Option<WatchRead<'a>>,
-    canceller: monoio::io::Canceller,
+    /// Made with the read it cancels: most requests never arm the watch.
+    canceller: Option<monoio::io::Canceller>,
     done: Option<BufResult<usize, Vec<u8>>>,
     arm_at: Instant,
 }
@@ -302,7 +303,7 @@ impl<'a> ClientWatch<'a> {
             rd: Some(rd),
             timer,
             fut: None,
-            canceller: monoio::io::Canceller::new(),
+            canceller: None,
             done: None,
             arm_at: Instant::now() + WATCH_ARM_DELAY,
         }
@@ -355,7 +356,8 @@ impl<'a> ClientWatch<'a> {
                 // The arm time came: issue the watch read, then wait for the deadline.
                 if let Some(rd) = self.rd.take() {
                     let buf = Vec::with_capacity(WATCH_BUF_BYTES);
-                    self.fut = Some(Box::pin(rd.cancelable_read(buf, self.canceller.handle())));
+                    let canceller = self.canceller.insert(monoio::io::Canceller::new());
+                    self.fut = Some(Box::pin(rd.cancelable_read(buf, canceller.handle())));
                 }
             }
             if let Some(f) = self.fut.as_mut() {
@@ -377,7 +379,9 @@ impl<'a> ClientWatch<'a> {
         let r = match (self.done.take(), self.fut.take()) {
             (Some(r), _) => r,
             (None, Some(f)) => {
-                let _ = self.canceller.cancel();
+                if let Some(c) = self.canceller.take() {
+                    let _ = c.cancel();
+                }
                 f.await
             }
             (None, None) => return None,

@@ -550,7 +550,7 @@ async fn proxy(
         .upstream_api_key
         .as_ref()
         .map(|k| format!("Bearer {k}"));
-    let (upstream_body, usage_injected) = transform_body(seg, route, &p.body, upstream_path);
+    let (mut transformed, usage_injected) = transform_body(seg, route, &p.body, upstream_path);
     let routing = RoutingHeaders {
         expose: opts.expose_routed_headers,
         session: session_id::header_value(sid.as_ref().map(|s| s.id.as_str())),
@@ -569,6 +569,10 @@ async fn proxy(
         let mut fallback: Option<std::vec::IntoIter<usize>> = None;
         let mut idx = first;
         let mut buf = ctx.take_buf();
+        // The client's body itself unless a transform changed it: no second owner (a clone
+        // of a Vec-backed Bytes allocates) for the usual request, whose body is copied into
+        // the request buffer anyway.
+        let upstream_body = transformed.as_ref().unwrap_or(&p.body);
         for retries in 0..=opts.max_more_tries {
             let peer = &pool.peers[idx];
             let inflight = Inflight::acquire(seg, ctx.wid, peer.slot);
@@ -582,7 +586,7 @@ async fn proxy(
                 &p.target,
                 peer,
                 &conn.ip,
-                &upstream_body,
+                upstream_body,
                 authorization.as_deref(),
             );
             let big_body = (!inline).then(|| upstream_body.clone());
@@ -737,7 +741,7 @@ async fn proxy(
                 // Nothing is retried once a response is relayed: a long stream should not
                 // hold a long prompt (a body-log capture keeps its own reference).
                 drop(std::mem::take(&mut p.body));
-                drop(upstream_body);
+                drop(transformed.take());
                 // An event stream holds the connection for its whole length: give back the
                 // client's read buffer meanwhile (the next request head takes a new one).
                 if conn.inbuf.is_empty()
@@ -1154,12 +1158,18 @@ fn transform_candidate(body: &[u8]) -> bool {
 }
 
 /// Apply the route's request transforms (cch_strip, kimi_normalize, include_usage) as
-/// toggled at runtime, counting what they did. Returns the body to forward and whether
-/// usage reporting was injected (then the response's usage frame is removed again).
-fn transform_body(seg: &Segment, route: &RouteRt, body: &Bytes, path: &str) -> (Bytes, bool) {
+/// toggled at runtime, counting what they did. Returns the new body (`None`: forward the
+/// client's as is) and whether usage reporting was injected (then the response's usage
+/// frame is removed again).
+fn transform_body(
+    seg: &Segment,
+    route: &RouteRt,
+    body: &Bytes,
+    path: &str,
+) -> (Option<Bytes>, bool) {
     use cells::route as c;
     if body.is_empty() || !transform_candidate(body) {
-        return (body.clone(), false);
+        return (None, false);
     }
     let opts = &route.cfg.opts;
     let t = |cell, default| cells::toggle(seg, route.slot, cell, default);
@@ -1180,10 +1190,7 @@ fn transform_body(seg: &Segment, route: &RouteRt, body: &Bytes, path: &str) -> (
     bump(c::KIMI_CHANGES, report.kimi_changes as u64);
     bump(c::KIMI_REQUESTS, (report.kimi_changes > 0) as u64);
     bump(c::USAGE_INJECTED, report.usage_injected as u64);
-    (
-        new.map_or_else(|| body.clone(), Bytes::from),
-        report.usage_injected,
-    )
+    (new.map(Bytes::from), report.usage_injected)
 }
 
 impl relay::BodyFilter for crate::postprocess::PostProcessor {
