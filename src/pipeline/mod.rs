@@ -7,6 +7,7 @@
 //! other; this file is the only one that knows the order.
 
 pub mod admission;
+mod body_scan;
 mod client;
 pub mod dispatch;
 pub mod error_response;

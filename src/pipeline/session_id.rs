@@ -14,6 +14,7 @@ use std::marker::PhantomData;
 use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 
+use super::body_scan;
 use crate::http::Headers;
 use crate::limits::SESSION_ID_HASH_BYTES_MAX;
 
@@ -101,7 +102,17 @@ pub struct BodyFields {
 /// Parse the fields the router needs in one pass. `None` when the body is not a JSON
 /// object (not JSON at all, an array, a scalar, empty, truncated, trailing garbage).
 /// A key sent twice counts by its last occurrence, as a tree parser would read it.
+/// Common bodies take the byte scanner in [`body_scan`]; anything it declines goes to serde.
 pub fn parse_body(body: &[u8]) -> Option<BodyFields> {
+    if let Some(top) = body_scan::scan(body) {
+        return Some(top.reduce());
+    }
+    parse_body_serde(body)
+}
+
+/// [`parse_body`] through serde alone: the fallback, and the oracle the fast path is
+/// tested against.
+pub(super) fn parse_body_serde(body: &[u8]) -> Option<BodyFields> {
     match serde_json::from_slice::<Json<'_, TopObj<'_>>>(body).ok()? {
         Json::Object(top) => Some(top.reduce()),
         _ => None,
@@ -237,9 +248,10 @@ fn find<'a>(
 // without building anything.
 
 /// The object keys the router cares about, at any level; everything else is `Other`.
+/// The fast path matches the same names in `body_scan::key`.
 #[derive(Deserialize, Clone, Copy, PartialEq, Eq)]
 #[serde(field_identifier, rename_all = "snake_case")]
-enum Key {
+pub(super) enum Key {
     Model,
     Stream,
     StreamOptions,
@@ -255,7 +267,7 @@ enum Key {
 
 /// A JSON value reduced to what matters: strings (borrowed unless escaped), numbers in
 /// decimal form, booleans, objects parsed as `O`; null and arrays are `Other`.
-enum Json<'a, O> {
+pub(super) enum Json<'a, O> {
     Str(Cow<'a, str>),
     Num(String),
     Bool(bool),
@@ -264,7 +276,7 @@ enum Json<'a, O> {
 }
 
 /// A JSON value whose objects are skipped.
-type Scalar<'a> = Json<'a, IgnoredAny>;
+pub(super) type Scalar<'a> = Json<'a, IgnoredAny>;
 
 impl<O> Json<'_, O> {
     /// The value as a session id: a non-blank string or a number.
@@ -339,32 +351,32 @@ impl<'de: 'a, 'a, O: FromMap<'de>> Visitor<'de> for JsonVisitor<'a, O> {
 
 /// The top-level object.
 #[derive(Default)]
-struct TopObj<'a> {
-    model: Option<Scalar<'a>>,
-    stream: Option<Scalar<'a>>,
-    stream_options: Option<Json<'a, StreamOptionsObj>>,
-    metadata: Option<Json<'a, MetadataObj<'a>>>,
-    litellm_metadata: Option<Json<'a, MetadataObj<'a>>>,
-    user: Option<Scalar<'a>>,
+pub(super) struct TopObj<'a> {
+    pub(super) model: Option<Scalar<'a>>,
+    pub(super) stream: Option<Scalar<'a>>,
+    pub(super) stream_options: Option<Json<'a, StreamOptionsObj>>,
+    pub(super) metadata: Option<Json<'a, MetadataObj<'a>>>,
+    pub(super) litellm_metadata: Option<Json<'a, MetadataObj<'a>>>,
+    pub(super) user: Option<Scalar<'a>>,
 }
 
 /// `stream_options`.
 #[derive(Default)]
-struct StreamOptionsObj {
-    include_usage: Option<bool>,
+pub(super) struct StreamOptionsObj {
+    pub(super) include_usage: Option<bool>,
 }
 
 /// `metadata` and `litellm_metadata`.
 #[derive(Default)]
-struct MetadataObj<'a> {
-    session_id: Option<Scalar<'a>>,
-    user_id: Option<Json<'a, SessionIdObj<'a>>>,
+pub(super) struct MetadataObj<'a> {
+    pub(super) session_id: Option<Scalar<'a>>,
+    pub(super) user_id: Option<Json<'a, SessionIdObj<'a>>>,
 }
 
 /// An object whose only field of interest is `session_id` (`metadata.user_id`).
 #[derive(Default)]
-struct SessionIdObj<'a> {
-    session_id: Option<Scalar<'a>>,
+pub(super) struct SessionIdObj<'a> {
+    pub(super) session_id: Option<Scalar<'a>>,
 }
 
 impl<'de: 'a, 'a> FromMap<'de> for TopObj<'a> {
@@ -468,7 +480,8 @@ fn object<O>(v: Option<Json<'_, O>>) -> Option<O> {
 }
 
 impl TopObj<'_> {
-    fn reduce(self) -> BodyFields {
+    /// The fields the router needs, from the parsed top-level object.
+    pub(super) fn reduce(self) -> BodyFields {
         let metadata = object(self.metadata);
         let litellm = object(self.litellm_metadata);
         let (metadata_session_id, user_id_field) = match metadata {
