@@ -6,7 +6,9 @@ const LO: u64 = 0x0101_0101_0101_0101;
 const HI: u64 = 0x8080_8080_8080_8080;
 const LOW7: u64 = 0x7f7f_7f7f_7f7f_7f7f;
 
-fn word(c: &[u8]) -> u64 {
+/// The first eight bytes of `c` as a little-endian word (byte 0 lowest).
+#[inline(always)]
+pub fn word(c: &[u8]) -> u64 {
     u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])
 }
 

@@ -15,6 +15,8 @@ use std::borrow::Cow;
 
 use serde::de::IgnoredAny;
 
+use crate::bytescan::word;
+
 use super::session_id::{Json, Key, MetadataObj, Scalar, SessionIdObj, StreamOptionsObj, TopObj};
 
 /// Containers open at once inside a skipped value beyond which the body goes to serde.
@@ -473,12 +475,6 @@ fn string_special_long(s: &[u8], from: usize) -> Option<usize> {
         .iter()
         .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
         .map(|p| i + p)
-}
-
-/// The first eight bytes of `c` as a little-endian word (byte 0 lowest).
-#[inline(always)]
-fn word(c: &[u8]) -> u64 {
-    u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])
 }
 
 /// Bit 7 set in each byte of `w` that is `"`, `\` or a control byte (below 0x20) — and
@@ -942,29 +938,5 @@ mod tests {
         // Not vacuous: the fast path takes most bodies serde reads, and sets every field.
         assert!(fast_taken * 2 > objects, "fast path took only {fast_taken}");
         assert!(field_set.iter().all(|&n| n >= 100), "{field_set:?}");
-    }
-
-    /// Not a test: ns per parse for the bench body, fast path against serde. Run with
-    /// `cargo test --release --lib body_scan::tests::timing -- --ignored --nocapture`.
-    #[test]
-    #[ignore]
-    fn timing() {
-        use std::hint::black_box;
-        use std::time::Instant;
-        const N: u32 = 1_000_000;
-        let b = BENCH_BODY.as_bytes();
-        for _ in 0..3 {
-            let t = Instant::now();
-            for _ in 0..N {
-                black_box(fast(black_box(b)));
-            }
-            let fast_ns = t.elapsed().as_nanos() / u128::from(N);
-            let t = Instant::now();
-            for _ in 0..N {
-                black_box(parse_body_serde(black_box(b)));
-            }
-            let serde_ns = t.elapsed().as_nanos() / u128::from(N);
-            eprintln!("fast {fast_ns} ns/parse, serde {serde_ns} ns/parse");
-        }
     }
 }
