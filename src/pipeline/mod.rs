@@ -551,7 +551,8 @@ async fn proxy(
         .upstream_api_key
         .as_ref()
         .map(|k| format!("Bearer {k}"));
-    let (mut transformed, usage_injected) = transform_body(seg, route, &p.body, upstream_path);
+    let (mut transformed, usage_injected) =
+        transform_body(seg, route, &p.body, p.fields.as_ref(), upstream_path);
     let routing = RoutingHeaders {
         expose: opts.expose_routed_headers,
         session: session_id::header_value(sid.as_ref().map(|s| s.id.as_str())),
@@ -1166,6 +1167,7 @@ fn transform_body(
     seg: &Segment,
     route: &RouteRt,
     body: &Bytes,
+    fields: Option<&BodyFields>,
     path: &str,
 ) -> (Option<Bytes>, bool) {
     use cells::route as c;
@@ -1180,7 +1182,25 @@ fn transform_body(
         include_usage: t(c::TOGGLE_INCLUDE_USAGE, opts.include_usage),
         messages_path: path == "/v1/messages",
     };
-    let (new, report) = crate::transform::apply(body, &topts);
+    // The usual body is decided from the fields the router reads anyway (one streaming
+    // pass); only the rest is decoded into a tree.
+    let parsed;
+    let fields = match fields {
+        Some(f) => Some(f),
+        None => {
+            parsed = session_id::parse_body(body);
+            parsed.as_ref()
+        }
+    };
+    let quick = fields.and_then(|f| {
+        let facts = crate::transform::BodyFacts {
+            model: f.model.as_deref(),
+            stream: f.stream,
+            has_stream_options: f.has_stream_options,
+        };
+        crate::transform::apply_with_facts(body, &facts, &topts)
+    });
+    let (new, report) = quick.unwrap_or_else(|| crate::transform::apply(body, &topts));
     let bump = |cell: usize, n: u64| {
         if n > 0 {
             seg.route_cell(route.slot, cell).fetch_add(n, Relaxed);

@@ -87,6 +87,8 @@ pub struct BodyFields {
     pub stream: bool,
     /// `stream_options.include_usage`, when it is a boolean.
     pub include_usage: Option<bool>,
+    /// The object has a `stream_options` member, whatever its value.
+    pub has_stream_options: bool,
     /// `metadata.session_id`.
     pub metadata_session_id: Option<String>,
     /// `litellm_metadata.session_id`.
@@ -495,6 +497,7 @@ impl TopObj<'_> {
                 _ => None,
             },
             stream: matches!(self.stream, Some(Json::Bool(true))),
+            has_stream_options: self.stream_options.is_some(),
             include_usage: object(self.stream_options).and_then(|so| so.include_usage),
             metadata_session_id,
             litellm_metadata_session_id: litellm.and_then(|m| m.session_id?.usable_id()),
@@ -877,6 +880,9 @@ mod tests {
         assert_eq!((b.model, b.stream, b.include_usage), (None, false, None));
         let b = body(r#"{"stream":1,"stream_options":true}"#);
         assert_eq!((b.stream, b.include_usage), (false, None));
+        assert!(b.has_stream_options);
+        assert!(body(r#"{"stream_options":null}"#).has_stream_options);
+        assert!(!body(r#"{"x":{"stream_options":{}}}"#).has_stream_options);
         let b = body(r#"{"stream_options":{"include_usage":true}}"#);
         assert_eq!(b.include_usage, Some(true));
         assert_eq!(body("{}"), BodyFields::default());
