@@ -18,17 +18,19 @@ fn zero_bytes(w: u64) -> u64 {
     !(((w & LOW7).wrapping_add(LOW7)) | w | LOW7)
 }
 
-/// Index of the first `a` or `b` in `hay`.
-pub fn find_either(hay: &[u8], a: u8, b: u8) -> Option<usize> {
-    let (wa, wb) = (LO * u64::from(a), LO * u64::from(b));
+/// Index of the first byte of `hay` that `is` accepts, eight bytes at a time: `flags` sets
+/// bit 7 of every accepted byte of a word (it may also flag bytes above an accepted one,
+/// never below, so the lowest flag is the first); `is` decides the last few bytes.
+#[inline(always)]
+pub fn first_flagged(
+    hay: &[u8],
+    flags: impl Fn(u64) -> u64,
+    is: impl Fn(u8) -> bool,
+) -> Option<usize> {
     let mut chunks = hay.chunks_exact(8);
     let mut base = 0;
     for c in &mut chunks {
-        let w = word(c);
-        let (x, y) = (w ^ wa, w ^ wb);
-        // Flags every zero byte of `x` or `y`; may also flag bytes above one (the borrow),
-        // never below, so the lowest flag is the first match.
-        let hit = ((x.wrapping_sub(LO) & !x) | (y.wrapping_sub(LO) & !y)) & HI;
+        let hit = flags(word(c));
         if hit != 0 {
             return Some(base + (hit.trailing_zeros() / 8) as usize);
         }
@@ -37,8 +39,19 @@ pub fn find_either(hay: &[u8], a: u8, b: u8) -> Option<usize> {
     chunks
         .remainder()
         .iter()
-        .position(|&c| c == a || c == b)
+        .position(|&c| is(c))
         .map(|p| base + p)
+}
+
+/// Index of the first `a` or `b` in `hay`.
+pub fn find_either(hay: &[u8], a: u8, b: u8) -> Option<usize> {
+    let (wa, wb) = (LO * u64::from(a), LO * u64::from(b));
+    let flags = |w: u64| {
+        let (x, y) = (w ^ wa, w ^ wb);
+        // The borrow test: flags every zero byte of `x` or `y`, and possibly bytes above.
+        ((x.wrapping_sub(LO) & !x) | (y.wrapping_sub(LO) & !y)) & HI
+    };
+    first_flagged(hay, flags, |c| c == a || c == b)
 }
 
 /// Index of the last `c` in `hay`.

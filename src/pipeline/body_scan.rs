@@ -15,7 +15,7 @@ use std::borrow::Cow;
 
 use serde::de::IgnoredAny;
 
-use crate::bytescan::word;
+use crate::bytescan::{first_flagged, word};
 
 use super::session_id::{Json, Key, MetadataObj, Scalar, SessionIdObj, StreamOptionsObj, TopObj};
 
@@ -461,20 +461,8 @@ fn string_special(s: &[u8], from: usize) -> Option<usize> {
 /// registers across the loop.
 #[inline(never)]
 fn string_special_long(s: &[u8], from: usize) -> Option<usize> {
-    let mut chunks = s.get(from..)?.chunks_exact(8);
-    let mut i = from;
-    for c in &mut chunks {
-        let hit = special_bytes(word(c));
-        if hit != 0 {
-            return Some(i + (hit.trailing_zeros() / 8) as usize);
-        }
-        i += 8;
-    }
-    chunks
-        .remainder()
-        .iter()
-        .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
-        .map(|p| i + p)
+    let rest = s.get(from..)?;
+    first_flagged(rest, special_bytes, |b| b == b'"' || b == b'\\' || b < 0x20).map(|p| from + p)
 }
 
 /// Bit 7 set in each byte of `w` that is `"`, `\` or a control byte (below 0x20) — and
