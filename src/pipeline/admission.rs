@@ -17,15 +17,16 @@ pub enum Admission {
 /// The figures of a pool right now.
 pub fn figures(loads: &[Load], rt_limit_factor: f64) -> Option<ConcurrencyFigures> {
     let tier = active_tier(loads)?;
-    let healthy: Vec<&Load> = loads
-        .iter()
-        .filter(|l| l.healthy && l.priority == tier)
-        .collect();
+    let (mut limit, mut healthy_peers) = (0.0, 0);
+    for l in loads.iter().filter(|l| l.healthy && l.priority == tier) {
+        limit += l.max_concurrency as f64;
+        healthy_peers += 1;
+    }
     Some(ConcurrencyFigures {
-        limit: healthy.iter().map(|l| l.max_concurrency as f64).sum(),
+        limit,
         inflight: loads.iter().map(|l| l.inflight.max(0)).sum(),
         rt_factor: rt_limit_factor,
-        healthy_peers: healthy.len(),
+        healthy_peers,
         active_level: tier,
     })
 }

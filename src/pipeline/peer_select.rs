@@ -158,19 +158,17 @@ pub fn natural_target(
     placed: Option<usize>,
 ) -> Option<usize> {
     let tier = active_tier(loads)?;
-    let tier_peers: Vec<usize> = (0..loads.len())
-        .filter(|&i| loads[i].priority == tier)
-        .collect();
+    // The tier's peers in pool order, without collecting them (this runs per request).
+    let tier_peers = || (0..loads.len()).filter(move |&i| loads[i].priority == tier);
     match algo {
         Affinity::Table => placed.filter(|&i| loads.get(i).is_some_and(|l| l.priority == tier)),
         Affinity::Crc32Mod => {
             let h = crc32fast::hash(sid) as usize;
-            Some(tier_peers[h % tier_peers.len()])
+            tier_peers().nth(h % tier_peers().count())
         }
         Affinity::Rendezvous => {
             let s = fnv1a64(sid);
-            tier_peers
-                .into_iter()
+            tier_peers()
                 .max_by_key(|&i| (rendezvous_score(s, loads[i].key_hash), std::cmp::Reverse(i)))
         }
     }
