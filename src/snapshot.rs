@@ -7,6 +7,7 @@
 //! peer that survives a reload keeps its in-flight count, bans and counters.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -126,7 +127,7 @@ pub struct Snapshot {
     pub config: Arc<Config>,
     pub keys: Arc<KeyFile>,
     pub routes: Vec<Arc<RouteRt>>,
-    by_name: HashMap<String, usize>,
+    by_name: HashMap<String, usize, BuildHasherDefault<NameHasher>>,
     pub generation: u64,
 }
 
@@ -159,7 +160,8 @@ impl Snapshot {
         generation: u64,
     ) -> Result<Snapshot, String> {
         let mut routes = Vec::with_capacity(config.routes.len());
-        let mut by_name = HashMap::with_capacity(config.routes.len());
+        let mut by_name =
+            HashMap::with_capacity_and_hasher(config.routes.len(), Default::default());
         for rc in &config.routes {
             let slot = seg
                 .route_slot(&shorten_key(rc.name.clone()))
@@ -257,6 +259,30 @@ impl Snapshot {
     }
 }
 
+/// FNV-1a for the route-name map, looked up twice per request: names are short and come
+/// from the config (nothing for a client to flood), and SipHash's setup cost more than the
+/// lookup itself.
+pub struct NameHasher(u64);
+
+impl Default for NameHasher {
+    fn default() -> Self {
+        NameHasher(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Hasher for NameHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 ^= u64::from(b);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01B3);
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -277,5 +303,18 @@ mod tests {
         assert_ne!(a, b);
         let short = peer_key("chat", None, "10.0.0.1:8000".parse().unwrap());
         assert_eq!(short, "chat//10.0.0.1:8000");
+    }
+
+    #[test]
+    fn route_names_hash_as_fnv1a() {
+        let mut h = NameHasher::default();
+        h.write(b"chat");
+        assert_eq!(h.finish(), crate::pipeline::peer_select::fnv1a64(b"chat"));
+        let mut m: HashMap<String, usize, BuildHasherDefault<NameHasher>> = HashMap::default();
+        for i in 0..500 {
+            m.insert(format!("route-{i}"), i);
+        }
+        assert!((0..500).all(|i| m.get(format!("route-{i}").as_str()) == Some(&i)));
+        assert_eq!(m.get("route-500"), None);
     }
 }
