@@ -1224,9 +1224,9 @@ impl relay::BodyFilter for crate::postprocess::PostProcessor {
 }
 
 /// The `X-Routed-*` values of a request.
-struct RoutingHeaders {
+struct RoutingHeaders<'a> {
     expose: bool,
-    session: String,
+    session: Cow<'a, str>,
     source: std::borrow::Cow<'static, str>,
     mode: &'static str,
 }

@@ -169,10 +169,15 @@ pub fn header_decides(headers: &Headers) -> bool {
 /// The `X-Routed-Session` value: bytes outside `0x21..=0x7E` and `%` percent-encoded, the
 /// id cut to its first 128 bytes (on a char boundary) plus `...` when longer, `-` for none.
 /// The result is printable ASCII only: never CR, LF or another control byte.
-pub fn header_value(id: Option<&str>) -> String {
+/// Borrowed when the id needs neither encoding nor cutting (the usual id).
+pub fn header_value(id: Option<&str>) -> Cow<'_, str> {
     let Some(id) = id else {
-        return "-".to_string();
+        return Cow::Borrowed("-");
     };
+    let plain = |b: &u8| (0x21..=0x7e).contains(b) && *b != b'%';
+    if id.len() <= HEADER_VALUE_ID_BYTES_MAX && id.bytes().all(|b| plain(&b)) {
+        return Cow::Borrowed(id);
+    }
     let mut end = id.len().min(HEADER_VALUE_ID_BYTES_MAX);
     while !id.is_char_boundary(end) {
         end -= 1;
@@ -180,7 +185,7 @@ pub fn header_value(id: Option<&str>) -> String {
     let cut = &id.as_bytes()[..end];
     let mut out = String::with_capacity(cut.len() + 3);
     for &b in cut {
-        if (0x21..=0x7e).contains(&b) && b != b'%' {
+        if plain(&b) {
             out.push(char::from(b));
         } else {
             // Writing to a String cannot fail.
@@ -190,7 +195,7 @@ pub fn header_value(id: Option<&str>) -> String {
     if end < id.len() {
         out.push_str("...");
     }
-    out
+    Cow::Owned(out)
 }
 
 /// The bytes of an id used for hashing: at most its first 4 KiB (SPEC §14).
@@ -934,6 +939,8 @@ mod tests {
     fn header_value_sanitises() {
         assert_eq!(header_value(None), "-");
         assert_eq!(header_value(Some("abc-123_X")), "abc-123_X");
+        assert!(matches!(header_value(Some("abc-123_X")), Cow::Borrowed(_)));
+        assert!(matches!(header_value(Some("a b")), Cow::Owned(_)));
         assert_eq!(header_value(Some("a b")), "a%20b");
         assert_eq!(header_value(Some("a\r\nX-Evil: 1")), "a%0D%0AX-Evil:%201");
         assert_eq!(header_value(Some("\0\t\x7f")), "%00%09%7F");
