@@ -555,7 +555,7 @@ async fn proxy(
         transform_body(seg, route, &p.body, p.fields.as_ref(), upstream_path);
     let routing = RoutingHeaders {
         expose: opts.expose_routed_headers,
-        session: session_id::header_value(sid.as_ref().map(|s| s.id.as_str())),
+        session: session_id::header_value(sid.as_ref().map(|s| &*s.id)),
         source: source.label(),
         mode,
     };
@@ -859,7 +859,7 @@ async fn proxy(
                         owner: p.owner.as_deref(),
                         client_ip: &conn.ip,
                         routed: &routed,
-                        sid: sid.as_ref().map(|s| s.id.as_str()),
+                        sid: sid.as_ref().map(|s| &*s.id),
                         source: &routing.source,
                         model,
                         stream: p.fields.as_ref().is_some_and(|f| f.stream),

@@ -121,10 +121,11 @@ pub(super) fn parse_body_serde(body: &[u8]) -> Option<BodyFields> {
     }
 }
 
-/// A session id and where it came from.
+/// A session id and where it came from; the id borrows from the headers or body fields
+/// it was found in unless it had to be decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SessionId {
-    pub id: String,
+pub struct SessionId<'a> {
+    pub id: Cow<'a, str>,
     pub source: Source,
 }
 
@@ -143,21 +144,15 @@ pub struct SidOptions {
 /// The first non-blank value wins. `body` is `None` when the body is not JSON or was not
 /// parsed. With `session_affinity` off the id is dropped and the source is `AffinityOff` —
 /// only when some id would have been found; otherwise `None`.
-pub fn extract(
-    headers: &Headers,
-    body: Option<&BodyFields>,
+pub fn extract<'a>(
+    headers: &'a Headers,
+    body: Option<&'a BodyFields>,
     opts: &SidOptions,
-) -> (Option<SessionId>, Source) {
+) -> (Option<SessionId<'a>>, Source) {
     match find(headers, body, opts.body_user_affinity) {
         None => (None, Source::None),
         Some(_) if !opts.session_affinity => (None, Source::AffinityOff),
-        Some((id, source)) => (
-            Some(SessionId {
-                id: id.into_owned(),
-                source,
-            }),
-            source,
-        ),
+        Some((id, source)) => (Some(SessionId { id, source }), source),
     }
 }
 
@@ -552,11 +547,12 @@ mod tests {
 
     fn sid_with(h: &[(&str, &str)], json: &str, opts: &SidOptions) -> (Option<String>, String) {
         let b = parse_body(json.as_bytes());
-        let (id, src) = extract(&hdrs(h), b.as_ref(), opts);
+        let headers = hdrs(h);
+        let (id, src) = extract(&headers, b.as_ref(), opts);
         if let Some(id) = &id {
             assert_eq!(id.source, src);
         }
-        (id.map(|s| s.id), src.label().into_owned())
+        (id.map(|s| s.id.into_owned()), src.label().into_owned())
     }
 
     fn hit(id: &str, label: &str) -> (Option<String>, String) {
@@ -808,7 +804,8 @@ mod tests {
             sid(&[("x-session-id", "h")], "garbage"),
             hit("h", "header:x-session-id")
         );
-        let (id, src) = extract(&hdrs(&[]), None, &ON);
+        let empty = hdrs(&[]);
+        let (id, src) = extract(&empty, None, &ON);
         assert_eq!((id, src), (None, Source::None));
     }
 
@@ -1079,7 +1076,7 @@ mod tests {
                     assert!(!is_blank(&id.id));
                     assert_eq!(id.source, src);
                 }
-                let v = header_value(id.as_ref().map(|s| s.id.as_str()));
+                let v = header_value(id.as_ref().map(|s| &*s.id));
                 assert!(v.bytes().all(|c| (0x21..=0x7e).contains(&c)), "{v:?}");
                 let _ = src.label();
             }
