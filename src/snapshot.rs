@@ -15,7 +15,9 @@ use warmroute_shm::{PeerSlot, RouteSlot, Segment};
 
 use crate::auth::{KeyFile, KeyTable};
 use crate::config::{Config, RouteConfig};
-use crate::pipeline::peer_select::{fnv1a64, mix64, Affinity, Load};
+use crate::pipeline::peer_select::{
+    fnv1a64, fnv1a64_extend, mix64, Affinity, Load, FNV1A64_OFFSET,
+};
 
 /// One backend of one pool, as the data path needs it.
 #[derive(Debug)]
@@ -266,16 +268,13 @@ pub struct NameHasher(u64);
 
 impl Default for NameHasher {
     fn default() -> Self {
-        NameHasher(0xcbf2_9ce4_8422_2325)
+        NameHasher(FNV1A64_OFFSET)
     }
 }
 
 impl Hasher for NameHasher {
     fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 ^= u64::from(b);
-            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01B3);
-        }
+        self.0 = fnv1a64_extend(self.0, bytes);
     }
 
     fn finish(&self) -> u64 {
