@@ -3,7 +3,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::pin::Pin;
+use std::pin::{pin, Pin};
 use std::task::Poll;
 use std::time::Duration;
 
@@ -49,25 +49,29 @@ pub fn new_timer() -> Timer {
 pub struct TimedOut;
 
 /// Run `fut` unless `deadline` passes first, on the connection's timer.
-pub async fn until<T>(
-    timer: &mut Timer,
+///
+/// `fut` comes pinned by the caller (`pin!` in its own state) and this is a plain
+/// function returning a `poll_fn`: an `async fn` would keep the future twice, once as
+/// its argument and once pinned, and the caller's state would hold that again — the
+/// sizes add up per nesting level (a race over a `write_all` was 816 bytes for a
+/// 240-byte write), and each level is copied when it is built.
+pub fn until<'a, F: Future + Unpin + 'a>(
+    timer: &'a mut Timer,
     deadline: Instant,
-    fut: impl Future<Output = T>,
-) -> Result<T, TimedOut> {
-    if timer.deadline() != deadline {
-        timer.as_mut().reset(deadline);
-    }
-    let mut fut = std::pin::pin!(fut);
-    std::future::poll_fn(|cx| {
-        if let Poll::Ready(v) = fut.as_mut().poll(cx) {
+    mut fut: F,
+) -> impl Future<Output = Result<F::Output, TimedOut>> + 'a {
+    std::future::poll_fn(move |cx| {
+        if let Poll::Ready(v) = Pin::new(&mut fut).poll(cx) {
             return Poll::Ready(Ok(v));
+        }
+        if timer.deadline() != deadline {
+            timer.as_mut().reset(deadline);
         }
         if timer.as_mut().poll(cx).is_ready() {
             return Poll::Ready(Err(TimedOut));
         }
         Poll::Pending
     })
-    .await
 }
 
 /// Read more bytes into `inbuf`. Ok(0) = EOF.
@@ -119,7 +123,8 @@ impl ClientConn {
             } else {
                 Instant::now() + idle
             };
-            let read = until(&mut self.timer, wait, fill(&mut self.rd, &mut self.inbuf));
+            let fill = pin!(fill(&mut self.rd, &mut self.inbuf));
+            let read = until(&mut self.timer, wait, fill);
             let r = match drain {
                 // Between requests a draining worker closes idle connections at once.
                 Some(drain) if !started => match crate::util::race(read, drain.wait()).await {
@@ -164,16 +169,12 @@ impl ClientConn {
                 self.inbuf.drain(..have);
                 while body.len() < n {
                     let len = body.len();
-                    let (res, slice) = match until(
-                        &mut self.timer,
-                        Instant::now() + read_timeout,
-                        self.rd.read(body.slice_mut(len..n)),
-                    )
-                    .await
-                    {
-                        Ok(r) => r,
-                        Err(_) => return Err(ProxyError::BodyTimeout),
-                    };
+                    let read = pin!(self.rd.read(body.slice_mut(len..n)));
+                    let (res, slice) =
+                        match until(&mut self.timer, Instant::now() + read_timeout, read).await {
+                            Ok(r) => r,
+                            Err(_) => return Err(ProxyError::BodyTimeout),
+                        };
                     body = slice.into_inner();
                     match res {
                         Ok(0) | Err(_) => return Err(ProxyError::ClientGone),
@@ -210,7 +211,7 @@ impl ClientConn {
                         }
                     }
                     let deadline = Instant::now() + read_timeout;
-                    let read = fill(&mut self.rd, &mut self.inbuf);
+                    let read = pin!(fill(&mut self.rd, &mut self.inbuf));
                     match until(&mut self.timer, deadline, read).await {
                         Err(_) => return Err(ProxyError::BodyTimeout),
                         Ok(Ok(0)) | Ok(Err(_)) => return Err(ProxyError::ClientGone),
@@ -238,7 +239,8 @@ impl ClientConn {
             if buf.capacity() < CLIENT_READ_BUF_BYTES {
                 buf.reserve(CLIENT_READ_BUF_BYTES);
             }
-            match until(&mut self.timer, deadline, self.rd.read(buf)).await {
+            let read = pin!(self.rd.read(buf));
+            match until(&mut self.timer, deadline, read).await {
                 Ok((Ok(n), b)) if n > 0 => {
                     discarded += n;
                     buf = b;
@@ -313,65 +315,75 @@ impl<'a> ClientWatch<'a> {
         matches!(&self.done, Some((Ok(0), _)) | Some((Err(_), _)))
     }
 
-    /// Run `other` to completion unless the client goes away first.
-    pub async fn race<T>(&mut self, other: impl Future<Output = T>) -> Result<T, ClientGone> {
-        match self.race_until(None, other).await {
-            Ok(v) => Ok(v),
-            Err(_) => Err(ClientGone),
-        }
+    /// Run `other` to completion unless the client goes away first. `other` comes pinned
+    /// by the caller, for the reason given at [`until`].
+    pub fn race<'s, F: Future + Unpin + 's>(
+        &'s mut self,
+        mut other: F,
+    ) -> impl Future<Output = Result<F::Output, ClientGone>> + use<'s, 'a, F> {
+        std::future::poll_fn(move |cx| {
+            self.poll_race(cx, None, &mut other)
+                .map(|r| r.map_err(|_| ClientGone))
+        })
     }
 
     /// Run `other` to completion unless the client goes away or `deadline` passes first.
-    /// One timer serves both the watch's arm time and the deadline: it is set to whichever
-    /// comes first, and moved on to the deadline once the watch is armed.
-    pub async fn race_until<T>(
-        &mut self,
+    pub fn race_until<'s, F: Future + Unpin + 's>(
+        &'s mut self,
         deadline: Option<Instant>,
-        other: impl Future<Output = T>,
-    ) -> Result<T, Stopped> {
+        mut other: F,
+    ) -> impl Future<Output = Result<F::Output, Stopped>> + use<'s, 'a, F> {
+        std::future::poll_fn(move |cx| self.poll_race(cx, deadline, &mut other))
+    }
+
+    /// One poll of a race. One timer serves both the watch's arm time and the deadline:
+    /// it is set to whichever comes first, and moved on to the deadline once the watch is
+    /// armed.
+    fn poll_race<F: Future + Unpin>(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        deadline: Option<Instant>,
+        other: &mut F,
+    ) -> Poll<Result<F::Output, Stopped>> {
         if self.gone() {
-            return Err(Stopped::ClientGone);
+            return Poll::Ready(Err(Stopped::ClientGone));
         }
-        let mut other = std::pin::pin!(other);
-        std::future::poll_fn(|cx| {
-            if let Poll::Ready(v) = other.as_mut().poll(cx) {
-                return Poll::Ready(Ok(v));
+        if let Poll::Ready(v) = Pin::new(other).poll(cx) {
+            return Poll::Ready(Ok(v));
+        }
+        loop {
+            let arm = self.rd.is_some().then_some(self.arm_at);
+            let due = match (arm, deadline) {
+                (Some(a), Some(d)) => a.min(d),
+                (Some(t), None) | (None, Some(t)) => t,
+                (None, None) => break,
+            };
+            if self.timer.deadline() != due {
+                self.timer.as_mut().reset(due);
             }
-            loop {
-                let arm = self.rd.is_some().then_some(self.arm_at);
-                let due = match (arm, deadline) {
-                    (Some(a), Some(d)) => a.min(d),
-                    (Some(t), None) | (None, Some(t)) => t,
-                    (None, None) => break,
-                };
-                if self.timer.deadline() != due {
-                    self.timer.as_mut().reset(due);
-                }
-                if self.timer.as_mut().poll(cx).is_pending() {
-                    break;
-                }
-                if deadline.is_some_and(|d| d <= due) {
-                    return Poll::Ready(Err(Stopped::TimedOut));
-                }
-                // The arm time came: issue the watch read, then wait for the deadline.
-                if let Some(rd) = self.rd.take() {
-                    let buf = Vec::with_capacity(WATCH_BUF_BYTES);
-                    let canceller = self.canceller.insert(monoio::io::Canceller::new());
-                    self.fut = Some(Box::pin(rd.cancelable_read(buf, canceller.handle())));
-                }
+            if self.timer.as_mut().poll(cx).is_pending() {
+                break;
             }
-            if let Some(f) = self.fut.as_mut() {
-                if let Poll::Ready(r) = f.as_mut().poll(cx) {
-                    self.fut = None;
-                    self.done = Some(r);
-                    if self.gone() {
-                        return Poll::Ready(Err(Stopped::ClientGone));
-                    }
+            if deadline.is_some_and(|d| d <= due) {
+                return Poll::Ready(Err(Stopped::TimedOut));
+            }
+            // The arm time came: issue the watch read, then wait for the deadline.
+            if let Some(rd) = self.rd.take() {
+                let buf = Vec::with_capacity(WATCH_BUF_BYTES);
+                let canceller = self.canceller.insert(monoio::io::Canceller::new());
+                self.fut = Some(Box::pin(rd.cancelable_read(buf, canceller.handle())));
+            }
+        }
+        if let Some(f) = self.fut.as_mut() {
+            if let Poll::Ready(r) = f.as_mut().poll(cx) {
+                self.fut = None;
+                self.done = Some(r);
+                if self.gone() {
+                    return Poll::Ready(Err(Stopped::ClientGone));
                 }
             }
-            Poll::Pending
-        })
-        .await
+        }
+        Poll::Pending
     }
 
     /// Stop watching: cancel the pending read (if it was armed) and return any bytes it read.

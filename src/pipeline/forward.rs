@@ -203,10 +203,10 @@ async fn connect(
     watch: &mut ClientWatch<'_>,
 ) -> Result<TcpStream, ExchangeError> {
     let deadline = monoio::time::Instant::now() + timeout;
-    match watch
-        .race_until(Some(deadline), TcpStream::connect_addr(addr))
-        .await
-    {
+    // Boxed: connecting is rare (pooled connections are the rule) and its future is
+    // large, which would otherwise size every exchange, twice (two call sites).
+    let connecting = Box::pin(TcpStream::connect_addr(addr));
+    match watch.race_until(Some(deadline), connecting).await {
         Err(Stopped::ClientGone) => Err(ExchangeError::ClientGone),
         Err(Stopped::TimedOut) => Err(ExchangeError::ConnectTimeout),
         Ok(Err(e)) => Err(ExchangeError::Connect(e)),
@@ -240,13 +240,21 @@ async fn send_and_read_head(
     watch: &mut ClientWatch<'_>,
 ) -> Result<HeadResult, SendFailure> {
     let gone = || SendError::Fatal(ExchangeError::ClientGone);
-    let req = match watch.race(stream.write_all(req)).await {
+    let sent = {
+        let write = std::pin::pin!(stream.write_all(req));
+        watch.race(write).await
+    };
+    let req = match sent {
         Err(_) => return Err((gone(), buf, None)),
         Ok((Err(_), req)) => return Err((SendError::BeforeAnyByte, buf, Some(req))),
         Ok((Ok(_), req)) => req,
     };
     if let Some(body) = body {
-        match watch.race(stream.write_all(body)).await {
+        let sent = {
+            let write = std::pin::pin!(stream.write_all(body));
+            watch.race(write).await
+        };
+        match sent {
             Err(_) => return Err((gone(), buf, None)),
             Ok((Err(_), _)) => return Err((SendError::BeforeAnyByte, buf, Some(req))),
             Ok((Ok(_), _)) => {}
@@ -269,8 +277,11 @@ async fn send_and_read_head(
         }
         let len = buf.len();
         let cap = buf.capacity();
-        let read = stream.read(buf.slice_mut(len..cap));
-        let (res, slice) = match watch.race_until(Some(deadline), read).await {
+        let got = {
+            let read = std::pin::pin!(stream.read(buf.slice_mut(len..cap)));
+            watch.race_until(Some(deadline), read).await
+        };
+        let (res, slice) = match got {
             Err(Stopped::ClientGone) => return Err((gone(), Vec::new(), None)),
             Err(Stopped::TimedOut) => {
                 return Err((SendError::Fatal(ExchangeError::Timeout), Vec::new(), None))

@@ -592,10 +592,7 @@ async fn proxy(
                 authorization.as_deref(),
             );
             let big_body = (!inline).then(|| upstream_body.clone());
-            // Boxed: the exchange's state (about 3.5 KB) is not live while the response
-            // streams, and on the heap it stays out of the connection task, which an open
-            // stream keeps for its whole life (SSE at scale: -0.75 KB per stream).
-            let res = Box::pin(forward::exchange(
+            let res = forward::exchange(
                 &ctx.upstreams,
                 peer,
                 req,
@@ -603,7 +600,7 @@ async fn proxy(
                 std::mem::take(&mut buf),
                 &timeouts,
                 &mut watch,
-            ))
+            )
             .await;
             // The next peer to try, worked out only when this attempt failed.
             let mut next = || {
@@ -738,6 +735,7 @@ async fn proxy(
                 };
                 let mut stats = RelayStats {
                     capture: bodylog_capture(ctx, route, &p.body),
+                    tail: ctx.take_tail(),
                     ..RelayStats::default()
                 };
                 // Nothing is retried once a response is relayed: a long stream should not
@@ -868,6 +866,7 @@ async fn proxy(
                     };
                     bodylog_send(ctx, seg, capture, &entry);
                 }
+                ctx.put_tail(std::mem::take(&mut stats.tail));
                 let phase = Phase::Relayed {
                     status: ex.head.status,
                     keep,

@@ -82,9 +82,20 @@ fn count_small_read(streak: u32, n: usize, cap: usize) -> u32 {
 pub struct Tail(Vec<u8>);
 
 /// Enough for a final usage frame (and `[DONE]`) or a JSON body's closing `usage`.
-const TAIL_BYTES: usize = 2048;
+pub const TAIL_BYTES: usize = 2048;
 
 impl Tail {
+    /// A tail kept in `buf` (cleared first; a buffer of `TAIL_BYTES` is never grown).
+    pub fn with_buf(mut buf: Vec<u8>) -> Tail {
+        buf.clear();
+        Tail(buf)
+    }
+
+    /// The buffer, for reuse.
+    pub fn into_buf(self) -> Vec<u8> {
+        self.0
+    }
+
     pub fn push(&mut self, d: &[u8]) {
         if d.len() >= TAIL_BYTES {
             self.0.clear();
@@ -320,7 +331,7 @@ pub async fn relay(
         }
         let cap = pending.capacity();
         let deadline = monoio::time::Instant::now() + plan.idle_timeout;
-        let read = up.read(pending.slice_mut(0..cap));
+        let read = std::pin::pin!(up.read(pending.slice_mut(0..cap)));
         let (res, slice) = match watch.race_until(Some(deadline), read).await {
             Err(Stopped::ClientGone) => return (RelayEnd::ClientGone, None),
             Err(Stopped::TimedOut) => {

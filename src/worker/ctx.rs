@@ -37,13 +37,56 @@ pub struct WorkerCtx {
     pub driver: &'static str,
     pub access_log: RefCell<AccessLog>,
     /// Spare relay buffers, so a request does not allocate its read buffer.
-    bufs: RefCell<Vec<Vec<u8>>>,
+    bufs: Spares,
+    /// Spare body tails (see `relay::Tail`), for the same reason.
+    tails: Spares,
     /// This worker's body-log sender, when a listener is configured (fixed at start).
     pub bodylog: Option<Rc<crate::bodylog::sender::Sender>>,
 }
 
-/// Spare relay buffers kept per worker (each `RELAY_READ_BUF_BYTES`).
+/// Spare buffers of each kind kept per worker.
 const SPARE_BUFS_MAX: usize = 256;
+
+/// A bounded free list of byte buffers of one size: a buffer given back is cleared and
+/// kept (up to `SPARE_BUFS_MAX`) unless its capacity has left `size..=4 * size` — a
+/// relay that shrank its buffer for a slow stream, or one that grew for a large head.
+/// Buffers above glibc's per-thread cache limit (1 KiB) cost a trip through the general
+/// allocator each time, which the profile showed at ~1% of a request per buffer.
+pub struct Spares {
+    list: RefCell<Vec<Vec<u8>>>,
+    size: usize,
+}
+
+impl Spares {
+    pub fn new(size: usize) -> Spares {
+        Spares {
+            list: RefCell::new(Vec::new()),
+            size,
+        }
+    }
+
+    /// An empty buffer of at least `size` bytes' capacity.
+    pub fn take(&self) -> Vec<u8> {
+        self.list
+            .borrow_mut()
+            .pop()
+            .unwrap_or_else(|| Vec::with_capacity(self.size))
+    }
+
+    pub fn put(&self, mut b: Vec<u8>) {
+        let mut list = self.list.borrow_mut();
+        if list.len() < SPARE_BUFS_MAX && (self.size..=4 * self.size).contains(&b.capacity()) {
+            b.clear();
+            list.push(b);
+        }
+    }
+
+    /// Buffers kept.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.list.borrow().len()
+    }
+}
 
 impl WorkerCtx {
     pub fn new(
@@ -87,7 +130,8 @@ impl WorkerCtx {
             rng: Cell::new(seed | 1),
             driver,
             access_log: RefCell::new(AccessLog::open(log)),
-            bufs: RefCell::new(Vec::new()),
+            bufs: Spares::new(crate::limits::RELAY_READ_BUF_BYTES),
+            tails: Spares::new(crate::pipeline::relay::TAIL_BYTES),
             bodylog,
         }
     }
@@ -108,24 +152,21 @@ impl WorkerCtx {
 
     /// A relay buffer: a spare one, or a new one.
     pub fn take_buf(&self) -> Vec<u8> {
-        self.bufs
-            .borrow_mut()
-            .pop()
-            .unwrap_or_else(|| Vec::with_capacity(crate::limits::RELAY_READ_BUF_BYTES))
+        self.bufs.take()
     }
 
-    /// Give a relay buffer back for reuse (dropped when enough are spare, or when it grew
-    /// or shrank: a streaming relay may end with a small one).
-    pub fn put_buf(&self, mut b: Vec<u8>) {
-        let mut bufs = self.bufs.borrow_mut();
-        let cap = b.capacity();
-        let full_size = (crate::limits::RELAY_READ_BUF_BYTES
-            ..=4 * crate::limits::RELAY_READ_BUF_BYTES)
-            .contains(&cap);
-        if bufs.len() < SPARE_BUFS_MAX && full_size {
-            b.clear();
-            bufs.push(b);
-        }
+    /// Give a relay buffer back for reuse.
+    pub fn put_buf(&self, b: Vec<u8>) {
+        self.bufs.put(b)
+    }
+
+    /// A body tail for a relay.
+    pub fn take_tail(&self) -> crate::pipeline::relay::Tail {
+        crate::pipeline::relay::Tail::with_buf(self.tails.take())
+    }
+
+    pub fn put_tail(&self, t: crate::pipeline::relay::Tail) {
+        self.tails.put(t.into_buf())
     }
 
     /// xorshift64*: cheap randomness for tie-breaks, no syscalls, no locks.
@@ -209,5 +250,34 @@ impl AccessLog {
 
     pub fn dropped(&self) -> u64 {
         self.dropped
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spares_hand_back_the_same_buffer_cleared_and_drop_the_odd_sizes() {
+        let s = Spares::new(1024);
+        let mut b = s.take();
+        assert!(b.capacity() >= 1024);
+        b.extend_from_slice(b"left over");
+        let ptr = b.as_ptr();
+        s.put(b);
+        assert_eq!(s.len(), 1);
+        let again = s.take();
+        assert_eq!(again.as_ptr(), ptr, "the spare buffer is reused");
+        assert!(again.is_empty(), "a reused buffer comes back cleared");
+        assert_eq!(s.len(), 0);
+        // Shrunk (a slow stream's small buffer) or grown past 4x: not kept.
+        s.put(Vec::with_capacity(100));
+        s.put(Vec::with_capacity(8 * 1024));
+        assert_eq!(s.len(), 0);
+        // At most SPARE_BUFS_MAX kept.
+        for _ in 0..SPARE_BUFS_MAX + 10 {
+            s.put(Vec::with_capacity(1024));
+        }
+        assert_eq!(s.len(), SPARE_BUFS_MAX);
     }
 }
