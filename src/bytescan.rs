@@ -69,6 +69,15 @@ pub fn rfind(hay: &[u8], c: u8) -> Option<usize> {
     chunks.remainder().iter().rposition(|&x| x == c)
 }
 
+/// `s` split around its first `c`, an ASCII byte (so both sides are on character
+/// boundaries). For the short request targets the per-request paths split, a plain byte
+/// loop: `str::split_once(char)` goes through the general searcher, several times dearer.
+pub fn split_once_ascii(s: &str, c: u8) -> Option<(&str, &str)> {
+    debug_assert!(c.is_ascii());
+    let i = s.bytes().position(|b| b == c)?;
+    Some((&s[..i], &s[i + 1..]))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -89,6 +98,24 @@ mod tests {
                     assert_eq!(find_either(&hay, a, b), want, "{hay:?} {a} {b}");
                     assert_eq!(rfind(&hay, a), hay.iter().rposition(|&c| c == a), "{hay:?}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn split_once_ascii_agrees_with_str_split_once() {
+        for s in [
+            "",
+            "?",
+            "/a?b",
+            "/a",
+            "a?b?c",
+            "/é/x?q=ü",
+            "??",
+            "/v1/chat/completions?x=1",
+        ] {
+            for c in [b'?', b'/'] {
+                assert_eq!(split_once_ascii(s, c), s.split_once(c as char), "{s:?} {c}");
             }
         }
     }

@@ -279,3 +279,81 @@ fn many_concurrent_streams_release_every_inflight() {
         "every client that stayed got its whole stream"
     );
 }
+
+#[test]
+fn a_peer_silent_past_the_first_byte_timeout_gets_a_504_and_a_prompt_one_does_not() {
+    let m = mock("m0");
+    let env = start(
+        &[("r", route_for(&[m.addr()], "first_byte_timeout_ms = 400\n"))],
+        "",
+    );
+    let quick = "x-mock-ttft-ms: 0\r\nx-mock-tokens: 1\r\nx-mock-interval-ms: 0\r\n";
+    // Control: a pooled connection, a peer that answers after 100 ms: within the timeout.
+    for _ in 0..2 {
+        let ok = request(
+            env.public(),
+            &post_json(
+                "/r/v1/chat/completions",
+                &chat_body("hi", false),
+                &format!("{quick}x-mock-hang-ms: 100\r\n"),
+            ),
+        );
+        assert_eq!(ok.status, 200, "{}", ok.text());
+    }
+    // The same pooled connection, a peer that stays silent: 504 once the timeout passes.
+    let t = Instant::now();
+    let r = request(
+        env.public(),
+        &post_json(
+            "/r/v1/chat/completions",
+            &chat_body("hi", false),
+            &format!("{quick}x-mock-hang-ms: 4000\r\n"),
+        ),
+    );
+    let took = t.elapsed();
+    assert_eq!(r.status, 504, "{}", r.text());
+    assert!(
+        took >= Duration::from_millis(400) && took < Duration::from_millis(2500),
+        "answered after {took:?}"
+    );
+}
+
+/// Send a streamed chat request and read until the router closes the connection (or 8 s).
+fn stream_until_close(env: &Env, extra: &str) -> (Vec<u8>, Duration) {
+    let mut s = connect(env.public());
+    s.set_read_timeout(Some(Duration::from_secs(8))).unwrap();
+    s.write_all(&post_json(
+        "/r/v1/chat/completions",
+        &chat_body("go", true),
+        &format!("Connection: close\r\nx-mock-ttft-ms: 0\r\n{extra}"),
+    ))
+    .unwrap();
+    let t = Instant::now();
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    (got, t.elapsed())
+}
+
+#[test]
+fn a_stream_idle_past_the_idle_timeout_is_cut_and_a_steady_one_is_not() {
+    let m = mock("m0");
+    let env = start(
+        &[("r", route_for(&[m.addr()], "idle_timeout_ms = 500\n"))],
+        "",
+    );
+    // Control: events every 150 ms for ~1.5 s, longer than the idle timeout in all.
+    let (got, _) = stream_until_close(&env, "x-mock-tokens: 10\r\nx-mock-interval-ms: 150\r\n");
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(text.contains("[DONE]"), "a steady stream completes: {text}");
+    // A 2 s gap after the first event: cut after the idle timeout, without the end.
+    let (got, took) = stream_until_close(&env, "x-mock-tokens: 3\r\nx-mock-interval-ms: 2000\r\n");
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(text.contains("data: "), "the first event arrived: {text}");
+    assert!(!text.contains("[DONE]"), "the stream was cut: {text}");
+    assert!(
+        took >= Duration::from_millis(500) && took < Duration::from_millis(1900),
+        "cut after {took:?}"
+    );
+}

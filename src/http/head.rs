@@ -212,7 +212,11 @@ impl Headers {
     }
 
     fn raw_str(&self, start: u32, len: u32) -> &str {
-        std::str::from_utf8(&self.raw[start as usize..(start + len) as usize]).unwrap_or("")
+        std::str::from_utf8(self.raw_bytes(start, len)).unwrap_or("")
+    }
+
+    fn raw_bytes(&self, start: u32, len: u32) -> &[u8] {
+        &self.raw[start as usize..(start + len) as usize]
     }
 }
 
@@ -253,16 +257,20 @@ impl RequestHead {
     pub fn method(&self) -> &str {
         self.headers.raw_str(self.method[0], self.method[1])
     }
+    /// The method as bytes, for the per-request paths (no UTF-8 check; a token).
+    pub fn method_bytes(&self) -> &[u8] {
+        self.headers.raw_bytes(self.method[0], self.method[1])
+    }
     /// Path and query as sent (origin form), e.g. `/route/v1/chat?x=1`.
     pub fn target(&self) -> &str {
         self.headers.raw_str(self.target[0], self.target[1])
     }
     pub fn path(&self) -> &str {
         let t = self.target();
-        t.split_once('?').map_or(t, |(p, _)| p)
+        crate::bytescan::split_once_ascii(t, b'?').map_or(t, |(p, _)| p)
     }
     pub fn query(&self) -> Option<&str> {
-        self.target().split_once('?').map(|(_, q)| q)
+        crate::bytescan::split_once_ascii(self.target(), b'?').map(|(_, q)| q)
     }
 }
 
@@ -542,6 +550,7 @@ mod tests {
         let h = req("POST /r/v1/chat?x=1 HTTP/1.1\r\nHost: a\r\nContent-Length: 12\r\nX-Session-Id: s\r\n\r\n")
             .unwrap();
         assert_eq!(h.method(), "POST");
+        assert_eq!(h.method_bytes(), b"POST");
         assert_eq!(h.target(), "/r/v1/chat?x=1");
         assert_eq!(h.path(), "/r/v1/chat");
         assert_eq!(h.query(), Some("x=1"));

@@ -300,14 +300,20 @@ pub enum Stopped {
 }
 
 impl<'a> ClientWatch<'a> {
-    pub fn new(rd: &'a mut OwnedReadHalf<TcpStream>, timer: &'a mut Timer) -> Self {
+    /// `since`: when the request started waiting on the peer; the watch arms
+    /// `WATCH_ARM_DELAY` after it.
+    pub fn new(
+        rd: &'a mut OwnedReadHalf<TcpStream>,
+        timer: &'a mut Timer,
+        since: std::time::Instant,
+    ) -> Self {
         ClientWatch {
             rd: Some(rd),
             timer,
             fut: None,
             canceller: None,
             done: None,
-            arm_at: Instant::now() + WATCH_ARM_DELAY,
+            arm_at: Instant::from_std(since) + WATCH_ARM_DELAY,
         }
     }
 

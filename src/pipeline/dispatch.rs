@@ -3,6 +3,8 @@
 
 use std::borrow::Cow;
 
+use crate::bytescan::split_once_ascii;
+
 /// Where a request goes.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Dispatch<'a> {
@@ -23,17 +25,17 @@ pub enum Dispatch<'a> {
 
 /// Split `/<route>/<rest>?query`. `is_route` tells which first segments are routes.
 pub fn resolve<'a>(target: &'a str, is_route: impl Fn(&str) -> bool) -> Dispatch<'a> {
-    let path = target.split_once('?').map_or(target, |(p, _)| p);
+    let path = split_once_ascii(target, b'?').map_or(target, |(p, _)| p);
     let Some(trimmed) = path.strip_prefix('/') else {
         return Dispatch::UnknownRoute { name: "" };
     };
-    let (first, rest) = match trimmed.split_once('/') {
+    let (first, rest) = match split_once_ascii(trimmed, b'/') {
         Some((f, r)) => (f, r),
         None => (trimmed, ""),
     };
     if is_route(first) {
         if let Some(ep) = rest.strip_prefix('_') {
-            if !ep.contains('/') {
+            if !ep.as_bytes().contains(&b'/') {
                 return Dispatch::Debug {
                     route: first,
                     endpoint: ep,

@@ -48,7 +48,7 @@ pub fn build_request(
     let inline = body.len() <= INLINE_BODY_BYTES_MAX;
     let mut out =
         Vec::with_capacity(384 + head.headers.len() * 48 + if inline { body.len() } else { 0 });
-    out.extend_from_slice(head.method().as_bytes());
+    out.extend_from_slice(head.method_bytes());
     out.push(b' ');
     out.extend_from_slice(target.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
@@ -83,7 +83,7 @@ pub fn build_request(
     }
     if !body.is_empty()
         || !matches!(head.body, http::BodyFraming::None)
-        || matches!(head.method(), "POST" | "PUT" | "PATCH")
+        || matches!(head.method_bytes(), b"POST" | b"PUT" | b"PATCH")
     {
         out.extend_from_slice(b"Content-Length: ");
         http::push_decimal(&mut out, body.len() as u64);
@@ -131,6 +131,8 @@ pub struct Exchanged {
     pub interim: Vec<u8>,
     /// When the first response byte arrived.
     pub first_byte_at: Instant,
+    /// When the rest of the head arrived (with `buf[start..]`).
+    pub head_at: Instant,
 }
 
 /// Per-request settings of an exchange.
@@ -139,6 +141,8 @@ pub struct Timeouts {
     pub first_byte: Duration,
     /// The request is HEAD: the response has no body whatever its headers say.
     pub head_request: bool,
+    /// When the request was ready to send: the first-byte wait counts from here.
+    pub ready_at: Instant,
 }
 
 /// Send one request to `peer` and wait for its response head. A pooled connection that
@@ -153,13 +157,15 @@ pub async fn exchange(
     watch: &mut ClientWatch<'_>,
 ) -> Result<Exchanged, ExchangeError> {
     let head_request = t.head_request;
-    let pooled = pool.borrow_mut().take(peer.addr, Instant::now());
+    let pooled = pool.borrow_mut().take(peer.addr, t.ready_at);
     let mut reused = pooled.is_some();
     let mut buf = buf;
     let mut req = req;
-    let mut stream = match pooled {
-        Some(s) => s,
-        None => connect(peer.addr, t.connect, watch).await?,
+    // The first-byte wait counts from when the request could go out: at once on a
+    // pooled connection, after the connect on a fresh one.
+    let (mut stream, mut ready_at) = match pooled {
+        Some(s) => (s, t.ready_at),
+        None => (connect(peer.addr, t.connect, watch).await?, Instant::now()),
     };
     loop {
         buf.clear();
@@ -169,12 +175,12 @@ pub async fn exchange(
             body.clone(),
             buf,
             head_request,
-            t.first_byte,
+            monoio::time::Instant::from_std(ready_at + t.first_byte),
             watch,
         )
         .await
         {
-            Ok((head, buf, start, interim, first_byte_at)) => {
+            Ok((head, buf, start, interim, [first_byte_at, head_at])) => {
                 return Ok(Exchanged {
                     stream,
                     head,
@@ -182,6 +188,7 @@ pub async fn exchange(
                     start,
                     interim,
                     first_byte_at,
+                    head_at,
                 })
             }
             Err((SendError::BeforeAnyByte, b, Some(r))) if reused => {
@@ -190,6 +197,7 @@ pub async fn exchange(
                 // A keep-alive connection the peer closed while idle: not a retry.
                 reused = false;
                 stream = connect(peer.addr, t.connect, watch).await?;
+                ready_at = Instant::now();
             }
             Err((SendError::BeforeAnyByte, ..)) => return Err(ExchangeError::Closed),
             Err((SendError::Fatal(e), ..)) => return Err(e),
@@ -222,7 +230,9 @@ enum SendError {
     Fatal(ExchangeError),
 }
 
-type HeadResult = (ResponseHead, Vec<u8>, usize, Vec<u8>, Instant);
+/// The head, the read buffer, where the body starts in it, the interim heads, and when
+/// the first and the last of the head's bytes arrived.
+type HeadResult = (ResponseHead, Vec<u8>, usize, Vec<u8>, [Instant; 2]);
 
 /// Why sending failed, with the read buffer and (when still at hand) the request bytes,
 /// so a retry on a fresh connection needs no copy.
@@ -236,7 +246,7 @@ async fn send_and_read_head(
     body: Option<Bytes>,
     mut buf: Vec<u8>,
     head_request: bool,
-    first_byte: Duration,
+    deadline: monoio::time::Instant,
     watch: &mut ClientWatch<'_>,
 ) -> Result<HeadResult, SendFailure> {
     let gone = || SendError::Fatal(ExchangeError::ClientGone);
@@ -266,10 +276,11 @@ async fn send_and_read_head(
             return Err(($e, buf, req.take()))
         };
     }
-    let deadline = monoio::time::Instant::now() + first_byte;
     let mut interim = Vec::new();
     let mut interims = 0;
     let mut first_byte_at = None;
+    // When the latest read completed (set by every read before the head is parsed).
+    let mut read_at: Instant;
     let mut start = 0;
     loop {
         if buf.capacity() - buf.len() < 1024 {
@@ -293,7 +304,9 @@ async fn send_and_read_head(
             Ok(0) | Err(_) if first_byte_at.is_none() => bail!(SendError::BeforeAnyByte),
             Ok(0) | Err(_) => bail!(SendError::Fatal(ExchangeError::Closed)),
             Ok(_) => {
-                first_byte_at.get_or_insert_with(Instant::now);
+                let now = Instant::now();
+                first_byte_at.get_or_insert(now);
+                read_at = now;
             }
         }
         loop {
@@ -319,8 +332,8 @@ async fn send_and_read_head(
                             "protocol upgrades are not supported"
                         )));
                     }
-                    let at = first_byte_at.unwrap_or_else(Instant::now);
-                    return Ok((h, buf, start + used, interim, at));
+                    let first = first_byte_at.unwrap_or(read_at);
+                    return Ok((h, buf, start + used, interim, [first, read_at]));
                 }
                 Err(e) => bail!(SendError::Fatal(ExchangeError::Bad(match e {
                     http::HeadError::TooLarge | http::HeadError::TooManyHeaders =>

@@ -344,7 +344,8 @@ async fn proxy(
     rcell(cells::route::REQUESTS).fetch_add(1, Relaxed);
     let body_read_at = Instant::now();
     let model = p.fields.as_ref().and_then(|f| f.model.as_deref());
-    let upstream_path = p.target.split('?').next().unwrap_or("");
+    let upstream_path =
+        crate::bytescan::split_once_ascii(&p.target, b'?').map_or(&*p.target, |(p, _)| p);
 
     // 2. A sub-pool route lists its models itself.
     if route.by_model() && upstream_path == "/v1/models" {
@@ -410,7 +411,12 @@ async fn proxy(
     //    GET /v1/models is exempt from the load gates, being the backends' own health
     //    probe. With the rate-limit master switch off the gates still measure and count
     //    their trips, but let the request through.
-    let now_ms = warmroute_shm::now_ms();
+    // The request's start time unless reading the body took a while.
+    let now_ms = if body_read_at.duration_since(started) < Duration::from_millis(1) {
+        start_ms
+    } else {
+        warmroute_shm::now_ms()
+    };
     let now_s = now_ms / 1000;
     let loads = pool.loads(seg, now_ms);
     let Some(mut fig) = admission::figures(&loads, opts.rt_limit_factor) else {
@@ -545,7 +551,8 @@ async fn proxy(
     let timeouts = Timeouts {
         connect: Duration::from_millis(opts.connect_timeout_ms),
         first_byte: Duration::from_millis(opts.first_byte_timeout_ms),
-        head_request: head.method() == "HEAD",
+        head_request: head.method_bytes() == b"HEAD",
+        ready_at: body_read_at,
     };
     let authorization = opts
         .upstream_api_key
@@ -563,7 +570,7 @@ async fn proxy(
     // 8. From here on the client is watched: if it leaves, the upstream is closed at
     //    once. The block scopes the watch's borrow of the connection.
     let (phase, pipelined) = {
-        let mut watch = ClientWatch::new(&mut conn.rd, &mut conn.timer);
+        let mut watch = ClientWatch::new(&mut conn.rd, &mut conn.timer, body_read_at);
 
         // 9. Forward; retry on connect failures and 502/503 while nothing reached the
         //    client. Retry targets are lined up only when a first attempt failed.
@@ -732,6 +739,7 @@ async fn proxy(
                     framing: ex.head.framing,
                     client,
                     idle_timeout: Duration::from_millis(opts.idle_timeout_ms),
+                    head_at: ex.head_at,
                 };
                 let mut stats = RelayStats {
                     capture: bodylog_capture(ctx, route, &p.body),
@@ -772,11 +780,10 @@ async fn proxy(
                 let keep = match end {
                     RelayEnd::Done { reusable } => {
                         if reusable && ex.head.reusable {
-                            ctx.upstreams.borrow_mut().put(
-                                routed.peer.addr,
-                                ex.stream,
-                                Instant::now(),
-                            );
+                            let done_at = stats.last_body_at.unwrap_or(ex.head_at);
+                            ctx.upstreams
+                                .borrow_mut()
+                                .put(routed.peer.addr, ex.stream, done_at);
                         }
                         keep
                     }

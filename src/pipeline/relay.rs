@@ -165,6 +165,8 @@ pub struct RelayPlan {
     pub framing: ResponseFraming,
     pub client: ClientFraming,
     pub idle_timeout: Duration,
+    /// When the response head arrived, with the body bytes that came along with it.
+    pub head_at: Instant,
 }
 
 /// Body state machine over the upstream bytes.
@@ -205,6 +207,8 @@ pub async fn relay(
     let mut eof = false;
     // Consecutive upstream reads that were small (see the read at the end of the loop).
     let mut small_reads = 0u32;
+    // When the bytes in `pending` arrived.
+    let mut read_at = plan.head_at;
     loop {
         // Account for the new bytes in `pending[pstart..]`: `emit` is the part the client
         // gets as is (pass-through); decoded bytes go to `decoded`.
@@ -219,7 +223,7 @@ pub async fn relay(
             }
             Tracker::Length(rem) => {
                 let take = (*rem).min(data.len() as u64) as usize;
-                note_body(stats, take);
+                note_body(stats, read_at, take);
                 stats.body(&data[..take]);
                 if decode {
                     decoded.extend_from_slice(&data[..take]);
@@ -246,7 +250,7 @@ pub async fn relay(
                         Some(pending),
                     );
                 };
-                note_body(stats, data_bytes);
+                note_body(stats, read_at, data_bytes);
                 if dec.is_done() {
                     finished = true;
                     clean = used == data.len();
@@ -254,7 +258,7 @@ pub async fn relay(
                 used
             }
             Tracker::UntilClose => {
-                note_body(stats, data.len());
+                note_body(stats, read_at, data.len());
                 stats.body(data);
                 if decode {
                     decoded.extend_from_slice(data);
@@ -330,7 +334,9 @@ pub async fn relay(
             pending = Vec::with_capacity(want);
         }
         let cap = pending.capacity();
-        let deadline = monoio::time::Instant::now() + plan.idle_timeout;
+        // Idle: nothing from the peer for `idle_timeout` since its last bytes (a read
+        // that finds bytes waiting completes before the deadline is looked at).
+        let deadline = monoio::time::Instant::from_std(read_at + plan.idle_timeout);
         let read = std::pin::pin!(up.read(pending.slice_mut(0..cap)));
         let (res, slice) = match watch.race_until(Some(deadline), read).await {
             Err(Stopped::ClientGone) => return (RelayEnd::ClientGone, None),
@@ -343,6 +349,7 @@ pub async fn relay(
             Ok(r) => r,
         };
         pending = slice.into_inner();
+        read_at = Instant::now();
         match res {
             Ok(0) | Err(_) => {
                 if let Tracker::UntilClose = tracker {
@@ -362,9 +369,8 @@ pub async fn relay(
     }
 }
 
-fn note_body(stats: &mut RelayStats, n: usize) {
+fn note_body(stats: &mut RelayStats, now: Instant, n: usize) {
     if n > 0 {
-        let now = Instant::now();
         stats.last_body_at = Some(now);
         if stats.first_body_at.is_none() {
             stats.first_body_at = Some(now);
