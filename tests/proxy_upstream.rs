@@ -202,11 +202,14 @@ fn every_response_framing_is_relayed() {
 #[test]
 fn connect_failure_moves_to_another_peer() {
     let m = mock("alive");
-    // A port nobody listens on.
-    let dead = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    // A port nobody listens on: port 1 is outside the range `bind(:0)` hands out, so no
+    // other test's listener can take it (a port just freed by a dropped listener could be
+    // given to a test running in parallel, making the "dead" peer answer).
+    let dead: std::net::SocketAddr = "127.0.0.1:1".parse().unwrap();
+    assert!(
+        std::net::TcpStream::connect(dead).is_err(),
+        "nothing listens on {dead}"
+    );
     let env = start(
         &[("r", route_for(&[dead, m.addr()], "max_more_tries = 2\n"))],
         "",

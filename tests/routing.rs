@@ -395,10 +395,9 @@ fn socket2_free_connect_from(src: &str, dst: SocketAddr) -> Option<std::net::Tcp
 #[test]
 fn a_refusing_peer_is_retried_elsewhere_and_banned() {
     let alive = mock("alive");
-    let dead = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    // Port 1: never handed out by `bind(:0)`, so no parallel test can start listening
+    // on the "dead" peer.
+    let dead: std::net::SocketAddr = "127.0.0.1:1".parse().unwrap();
     let env = start(
         &[(
             "r",

@@ -735,11 +735,15 @@ async fn proxy(
                 let keep = keep_client && !body_closes;
                 let mut out = std::mem::take(&mut ex.interim);
                 client_head(&mut out, &ex.head, head, &routing, &routed, keep, client);
+                let event_stream = ex.head.headers.get("content-type").is_some_and(|ct| {
+                    crate::postprocess::media_type(ct).eq_ignore_ascii_case(b"text/event-stream")
+                });
                 let plan = RelayPlan {
                     framing: ex.head.framing,
                     client,
                     idle_timeout: Duration::from_millis(opts.idle_timeout_ms),
                     head_at: ex.head_at,
+                    event_stream,
                 };
                 let mut stats = RelayStats {
                     capture: bodylog_capture(ctx, route, &p.body),
@@ -752,12 +756,7 @@ async fn proxy(
                 drop(transformed.take());
                 // An event stream holds the connection for its whole length: give back the
                 // client's read buffer meanwhile (the next request head takes a new one).
-                if conn.inbuf.is_empty()
-                    && ex.head.headers.get("content-type").is_some_and(|ct| {
-                        crate::postprocess::media_type(ct)
-                            .eq_ignore_ascii_case(b"text/event-stream")
-                    })
-                {
+                if conn.inbuf.is_empty() && event_stream {
                     conn.inbuf = Vec::new();
                 }
                 let rbuf = std::mem::take(&mut ex.buf);
@@ -771,6 +770,7 @@ async fn proxy(
                     &mut filters,
                     &mut watch,
                     &mut stats,
+                    ctx.spare_bufs(),
                 )
                 .await;
                 drop(inflight);

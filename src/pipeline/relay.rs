@@ -14,6 +14,7 @@ use crate::limits::RELAY_READ_BUF_BYTES;
 use monoio::io::OwnedWriteHalf;
 
 use super::client::{write_client, ClientWatch, Stopped};
+use crate::worker::Spares;
 
 /// How the relay ended.
 #[derive(Debug)]
@@ -167,6 +168,9 @@ pub struct RelayPlan {
     pub idle_timeout: Duration,
     /// When the response head arrived, with the body bytes that came along with it.
     pub head_at: Instant,
+    /// An event stream: read into the small buffer from the start (events come a few
+    /// at a time and the stream mostly waits), giving the head's full-size buffer back.
+    pub event_stream: bool,
 }
 
 /// Body state machine over the upstream bytes.
@@ -191,6 +195,7 @@ pub async fn relay(
     filters: &mut FilterChain,
     watch: &mut ClientWatch<'_>,
     stats: &mut RelayStats,
+    spares: &Spares,
 ) -> (RelayEnd, Option<Vec<u8>>) {
     let mut tracker = match plan.framing {
         ResponseFraming::None => Tracker::None,
@@ -206,7 +211,11 @@ pub async fn relay(
     let mut decoded: Vec<u8> = Vec::new();
     let mut eof = false;
     // Consecutive upstream reads that were small (see the read at the end of the loop).
-    let mut small_reads = 0u32;
+    let mut small_reads = if plan.event_stream {
+        SMALL_READS_TO_SHRINK
+    } else {
+        0
+    };
     // When the bytes in `pending` arrived.
     let mut read_at = plan.head_at;
     loop {
@@ -331,7 +340,10 @@ pub async fn relay(
         if pending.capacity() < want {
             pending.reserve(want);
         } else if pending.capacity() > 2 * want {
-            pending = Vec::with_capacity(want);
+            // Shrinking: the full-size buffer goes back to the worker's spares, for the
+            // next request's head, instead of to the allocator (whose free memory an
+            // open stream's process keeps as RSS).
+            spares.put(std::mem::replace(&mut pending, Vec::with_capacity(want)));
         }
         let cap = pending.capacity();
         // Idle: nothing from the peer for `idle_timeout` since its last bytes (a read

@@ -160,6 +160,11 @@ impl WorkerCtx {
         self.bufs.put(b)
     }
 
+    /// The spare relay buffers themselves, for a relay that gives one back midway.
+    pub fn spare_bufs(&self) -> &Spares {
+        &self.bufs
+    }
+
     /// A body tail for a relay.
     pub fn take_tail(&self) -> crate::pipeline::relay::Tail {
         crate::pipeline::relay::Tail::with_buf(self.tails.take())

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use warmroute_shm::Segment;
 
-pub use ctx::{AccessLog, PortKind, WorkerCtx};
+pub use ctx::{AccessLog, PortKind, Spares, WorkerCtx};
 pub use listen::bind_shared;
 pub use notify::LocalNotify;
 
