@@ -268,8 +268,9 @@ type Runtime = monoio::FusionRuntime<
 
 /// The worker's runtime. On io_uring, ask the kernel to run completion work only when
 /// the worker enters it to wait (`DEFER_TASKRUN`, Linux 6.1+, with `SINGLE_ISSUER`: only
-/// this thread touches the ring) — completions then arrive in batches at the top of the
-/// loop, with no interrupts and no task-work lock per packet. Older kernels refuse the
+/// this thread touches the ring) — the completion work queued while the worker runs is
+/// done in one batch when it next waits, instead of by notifying it per completion
+/// (pinned A/B: ~4% less CPU per request). Older kernels refuse the
 /// flags: fall back to cooperative task running (5.19+: no IPI per completion, which the
 /// profile showed at ~10% of a busy worker), then to plain io_uring.
 fn build_runtime(uring: bool) -> std::io::Result<Runtime> {
