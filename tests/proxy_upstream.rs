@@ -360,3 +360,99 @@ fn a_stream_idle_past_the_idle_timeout_is_cut_and_a_steady_one_is_not() {
         "cut after {took:?}"
     );
 }
+
+/// A peer that reads each request (a JSON body, ending in `}`) and answers 503 after 300 ms.
+fn slow_503_peer() -> std::net::SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 65536];
+                let mut have = Vec::new();
+                loop {
+                    match s.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => have.extend_from_slice(&buf[..n]),
+                    }
+                    if have.ends_with(b"}") {
+                        have.clear();
+                        std::thread::sleep(Duration::from_millis(300));
+                        let no = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n";
+                        if s.write_all(no).is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn a_retry_on_a_pooled_connection_gets_its_own_first_byte_window() {
+    let slow = slow_503_peer();
+    let m = mock("m0");
+    let env = start(
+        &[(
+            "r",
+            route_for(
+                &[slow, m.addr()],
+                "first_byte_timeout_ms = 400\nmax_more_tries = 1\n",
+            ),
+        )],
+        "",
+    );
+    let s = connect(env.public());
+    let mut w = s.try_clone().unwrap();
+    let mut r = BufReader::new(s);
+    let (mut statuses, mut retried) = (Vec::new(), 0);
+    // The first attempt spends 300 ms on the 503; the retry (to the mock, on a pooled
+    // connection after the first few) answers after 200 ms: within its own 400 ms.
+    for _ in 0..16 {
+        w.write_all(&post_json(
+            "/r/v1/chat/completions",
+            &chat_body("hi", false),
+            "x-mock-ttft-ms: 0\r\nx-mock-tokens: 1\r\nx-mock-interval-ms: 0\r\nx-mock-hang-ms: 200\r\n",
+        ))
+        .unwrap();
+        let resp = read_response(&mut r, false).unwrap();
+        if resp.header("x-routed-retries") == Some("1") {
+            retried += 1;
+        }
+        statuses.push(resp.status);
+    }
+    assert!(retried > 0, "some requests went to the 503 peer first");
+    assert!(statuses.iter().all(|&s| s == 200), "{statuses:?}");
+}
+
+#[test]
+fn a_client_slow_to_read_is_not_an_idle_peer() {
+    let m = mock("m0");
+    let env = start(
+        &[("r", route_for(&[m.addr()], "idle_timeout_ms = 500\n"))],
+        "",
+    );
+    let mut s = connect(env.public());
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    // ~11 MB of events as fast as the mock makes them, while the client does not read
+    // for 1.5 s: the router's writes to it block for longer than the idle timeout.
+    s.write_all(&post_json(
+        "/r/v1/chat/completions",
+        &chat_body("go", true),
+        "Connection: close\r\nx-mock-ttft-ms: 0\r\nx-mock-tokens: 60000\r\nx-mock-interval-ms: 0\r\n",
+    ))
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    let text = String::from_utf8_lossy(&got);
+    assert!(got.len() > 1_000_000, "got {} bytes", got.len());
+    assert!(
+        text.contains("[DONE]"),
+        "the stream was cut: {:?}",
+        &text[text.len().saturating_sub(200)..]
+    );
+}

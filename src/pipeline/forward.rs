@@ -141,8 +141,6 @@ pub struct Timeouts {
     pub first_byte: Duration,
     /// The request is HEAD: the response has no body whatever its headers say.
     pub head_request: bool,
-    /// When the request was ready to send: the first-byte wait counts from here.
-    pub ready_at: Instant,
 }
 
 /// Send one request to `peer` and wait for its response head. A pooled connection that
@@ -157,15 +155,13 @@ pub async fn exchange(
     watch: &mut ClientWatch<'_>,
 ) -> Result<Exchanged, ExchangeError> {
     let head_request = t.head_request;
-    let pooled = pool.borrow_mut().take(peer.addr, t.ready_at);
+    let pooled = pool.borrow_mut().take(peer.addr, Instant::now());
     let mut reused = pooled.is_some();
     let mut buf = buf;
     let mut req = req;
-    // The first-byte wait counts from when the request could go out: at once on a
-    // pooled connection, after the connect on a fresh one.
-    let (mut stream, mut ready_at) = match pooled {
-        Some(s) => (s, t.ready_at),
-        None => (connect(peer.addr, t.connect, watch).await?, Instant::now()),
+    let mut stream = match pooled {
+        Some(s) => s,
+        None => connect(peer.addr, t.connect, watch).await?,
     };
     loop {
         buf.clear();
@@ -175,7 +171,7 @@ pub async fn exchange(
             body.clone(),
             buf,
             head_request,
-            monoio::time::Instant::from_std(ready_at + t.first_byte),
+            t.first_byte,
             watch,
         )
         .await
@@ -197,7 +193,6 @@ pub async fn exchange(
                 // A keep-alive connection the peer closed while idle: not a retry.
                 reused = false;
                 stream = connect(peer.addr, t.connect, watch).await?;
-                ready_at = Instant::now();
             }
             Err((SendError::BeforeAnyByte, ..)) => return Err(ExchangeError::Closed),
             Err((SendError::Fatal(e), ..)) => return Err(e),
@@ -246,7 +241,7 @@ async fn send_and_read_head(
     body: Option<Bytes>,
     mut buf: Vec<u8>,
     head_request: bool,
-    deadline: monoio::time::Instant,
+    first_byte: Duration,
     watch: &mut ClientWatch<'_>,
 ) -> Result<HeadResult, SendFailure> {
     let gone = || SendError::Fatal(ExchangeError::ClientGone);
@@ -276,6 +271,9 @@ async fn send_and_read_head(
             return Err(($e, buf, req.take()))
         };
     }
+    // The first-byte wait starts once the request is written (a peer may read a large
+    // body slowly).
+    let deadline = monoio::time::Instant::now() + first_byte;
     let mut interim = Vec::new();
     let mut interims = 0;
     let mut first_byte_at = None;

@@ -552,7 +552,6 @@ async fn proxy(
         connect: Duration::from_millis(opts.connect_timeout_ms),
         first_byte: Duration::from_millis(opts.first_byte_timeout_ms),
         head_request: head.method_bytes() == b"HEAD",
-        ready_at: body_read_at,
     };
     let authorization = opts
         .upstream_api_key

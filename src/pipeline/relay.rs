@@ -346,9 +346,11 @@ pub async fn relay(
             spares.put(std::mem::replace(&mut pending, Vec::with_capacity(want)));
         }
         let cap = pending.capacity();
-        // Idle: nothing from the peer for `idle_timeout` since its last bytes (a read
-        // that finds bytes waiting completes before the deadline is looked at).
-        let deadline = monoio::time::Instant::from_std(read_at + plan.idle_timeout);
+        // Idle: nothing from the peer for `idle_timeout` from now, after the client's
+        // write — not from the peer's last bytes: a client slow to take them is not an
+        // idle peer (and on io_uring the read's first poll only submits it, so an
+        // already passed deadline would win even with bytes waiting).
+        let deadline = monoio::time::Instant::now() + plan.idle_timeout;
         let read = std::pin::pin!(up.read(pending.slice_mut(0..cap)));
         let (res, slice) = match watch.race_until(Some(deadline), read).await {
             Err(Stopped::ClientGone) => return (RelayEnd::ClientGone, None),
