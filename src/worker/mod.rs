@@ -273,6 +273,11 @@ type Runtime = monoio::FusionRuntime<
 /// (pinned A/B: ~4% less CPU per request). Older kernels refuse the
 /// flags: fall back to cooperative task running (5.19+: no IPI per completion, which the
 /// profile showed at ~10% of a busy worker), then to plain io_uring.
+///
+/// With deferred task running, completions are only delivered when the run queue is empty
+/// and the worker waits (monoio's mid-loop `submit` does not collect them): a task that
+/// re-wakes itself in a loop (`yield_now` spinning) would starve every socket and timer
+/// of its worker. None does; keep it so.
 fn build_runtime(uring: bool) -> std::io::Result<Runtime> {
     let base = || {
         monoio::RuntimeBuilder::<monoio::FusionDriver>::new()
