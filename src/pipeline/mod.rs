@@ -793,10 +793,8 @@ async fn proxy(
                     }
                 };
                 if (200..300).contains(&ex.head.status) {
-                    let sse = crate::postprocess::mode_for(
-                        ex.head.status,
-                        ex.head.headers.get("content-type"),
-                    ) == Some(crate::postprocess::Mode::Sse);
+                    // On a 2xx, an SSE body (`postprocess::mode_for`) is exactly an event stream.
+                    let sse = event_stream;
                     stats.usage = if sse {
                         crate::transform::usage_from_sse(stats.tail.bytes())
                     } else {
