@@ -310,10 +310,13 @@ pub fn file_stamp(path: &Path) -> FileStamp {
 /// `x-api-key: <key>` (trimmed). None if neither is present or the value is empty. Of several
 /// `Authorization` headers the first Bearer one counts.
 pub fn presented_key(headers: &Headers) -> Option<&[u8]> {
-    if let Some(k) = headers.get_all("authorization").find_map(bearer) {
+    if let Some(k) = headers
+        .all_known(crate::http::Known::AUTHORIZATION)
+        .find_map(bearer)
+    {
         return Some(k);
     }
-    let v = trim(headers.get("x-api-key")?);
+    let v = trim(headers.get_known(crate::http::Known::X_API_KEY)?);
     (!v.is_empty()).then_some(v)
 }
 

@@ -55,10 +55,26 @@ pub struct Headers {
     /// Which of the [`LOOKED_UP`] names occur: a lookup of an absent one returns at once
     /// instead of comparing every name (most requests carry none of them).
     present: u16,
+    /// Which of them occur more than once.
+    repeated: u16,
+    /// Where each present one first occurs (an index into `spans`), so a lookup of a
+    /// present name starts there instead of comparing the names before it.
+    first: [u8; LOOKED_UP.len()],
+    /// What the `Connection` headers say, read once: [`CONN_CLOSE`], [`CONN_KEEP_ALIVE`],
+    /// [`CONN_NAMES`].
+    connection: u8,
 }
 
-/// Header names the per-request paths look up and that requests usually do not carry.
-const LOOKED_UP: [&str; 10] = [
+/// A `Connection` token `close`.
+const CONN_CLOSE: u8 = 1;
+/// A `Connection` token `keep-alive`.
+const CONN_KEEP_ALIVE: u8 = 2;
+/// A `Connection` token naming a header (anything but `close` and `keep-alive`).
+const CONN_NAMES: u8 = 4;
+
+/// Header names the per-request paths look up: the framing and forwarding headers, the
+/// session-id headers, and the response's `Content-Type`. [`Known`] names each by place.
+const LOOKED_UP: [&str; 12] = [
     "content-length",
     "transfer-encoding",
     "connection",
@@ -69,39 +85,85 @@ const LOOKED_UP: [&str; 10] = [
     "x-litellm-session-id",
     "x-claude-code-session-id",
     "x-session-id",
+    "content-type",
+    "x-phanrouter-session",
 ];
 
-/// The [`LOOKED_UP`] bit of a name (case-insensitive), 0 for other names. The listed
-/// names all differ in length, so one comparison at most.
-fn looked_up_bit(name: &[u8]) -> u16 {
-    let i = match name.len() {
-        14 => 0,
-        17 => 1,
-        10 => 2,
-        6 => 3,
-        15 => 4,
-        13 => 5,
-        9 => 6,
-        20 => 7,
-        24 => 8,
-        12 => 9,
-        _ => return 0,
-    };
-    if super::write::name_is(name, LOOKED_UP[i].as_bytes()) {
-        1 << i
-    } else {
-        0
+/// One of the header names the per-request paths look up, by its place in the table
+/// [`Headers`] indexes while parsing: a lookup by `Known` compares no names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Known(u8);
+
+impl Known {
+    pub const CONTENT_LENGTH: Known = Known(0);
+    pub const TRANSFER_ENCODING: Known = Known(1);
+    pub const CONNECTION: Known = Known(2);
+    pub const EXPECT: Known = Known(3);
+    pub const X_FORWARDED_FOR: Known = Known(4);
+    pub const AUTHORIZATION: Known = Known(5);
+    pub const X_API_KEY: Known = Known(6);
+    pub const X_LITELLM_SESSION_ID: Known = Known(7);
+    pub const X_CLAUDE_CODE_SESSION_ID: Known = Known(8);
+    pub const X_SESSION_ID: Known = Known(9);
+    pub const CONTENT_TYPE: Known = Known(10);
+    pub const X_PHANROUTER_SESSION: Known = Known(11);
+
+    /// The name, lowercase.
+    pub fn name(self) -> &'static str {
+        LOOKED_UP[usize::from(self.0)]
+    }
+
+    fn bit(self) -> u16 {
+        1 << self.0
     }
 }
+
+/// The [`LOOKED_UP`] index of a name (case-insensitive), `None` for other names.
+/// Dispatched on the length: at most two comparisons.
+fn looked_up(name: &[u8]) -> Option<Known> {
+    let is = |i: u8| super::write::name_is(name, LOOKED_UP[usize::from(i)].as_bytes());
+    let (a, b) = match name.len() {
+        14 => (0, None),
+        17 => (1, None),
+        10 => (2, None),
+        6 => (3, None),
+        15 => (4, None),
+        13 => (5, None),
+        9 => (6, None),
+        20 => (7, Some(11)),
+        24 => (8, None),
+        12 => (9, Some(10)),
+        _ => return None,
+    };
+    if is(a) {
+        Some(Known(a))
+    } else {
+        b.filter(|&b| is(b)).map(Known)
+    }
+}
+
+// `first` holds span indexes as bytes.
+const _: () = assert!(REQUEST_HEADERS_MAX <= 256 && RESPONSE_HEADERS_MAX <= 256);
 
 impl Headers {
     fn from_parsed(raw: &[u8], list: &[httparse::Header<'_>]) -> Headers {
         let base = raw.as_ptr() as usize;
-        let mut present = 0;
+        let mut present = 0u16;
+        let mut repeated = 0u16;
+        let mut first = [0u8; LOOKED_UP.len()];
         let spans = list
             .iter()
-            .map(|h| {
-                present |= looked_up_bit(h.name.as_bytes());
+            .enumerate()
+            .map(|(at, h)| {
+                if let Some(k) = looked_up(h.name.as_bytes()) {
+                    let bit = k.bit();
+                    if present & bit == 0 {
+                        present |= bit;
+                        first[usize::from(k.0)] = at as u8;
+                    } else {
+                        repeated |= bit;
+                    }
+                }
                 // httparse hands out sub-slices of `raw`, so the offsets are in range.
                 let n = h.name.as_ptr() as usize - base;
                 let v = h.value.as_ptr() as usize - base;
@@ -113,17 +175,77 @@ impl Headers {
                 ]
             })
             .collect();
-        Headers {
+        let mut h = Headers {
             raw: raw.to_vec(),
             spans,
             present,
+            repeated,
+            first,
+            connection: 0,
+        };
+        let mut connection = 0;
+        for v in h.all_known(Known::CONNECTION) {
+            for t in v.split(|&b| b == b',').map(trim).filter(|t| !t.is_empty()) {
+                connection |= if t.eq_ignore_ascii_case(b"close") {
+                    CONN_CLOSE
+                } else if t.eq_ignore_ascii_case(b"keep-alive") {
+                    CONN_KEEP_ALIVE
+                } else {
+                    CONN_NAMES
+                };
+            }
+        }
+        h.connection = connection;
+        h
+    }
+
+    /// A `Connection` header has the token `close`.
+    pub fn connection_close(&self) -> bool {
+        self.connection & CONN_CLOSE != 0
+    }
+
+    /// A `Connection` header has the token `keep-alive`.
+    pub fn connection_keep_alive(&self) -> bool {
+        self.connection & CONN_KEEP_ALIVE != 0
+    }
+
+    /// The headers holding `k`: none when it is absent, the first occurrence on when it
+    /// is present (just that one when it occurs once), and whether there is more than one.
+    fn known_spans(&self, k: Known) -> (&[[u32; 4]], bool) {
+        if self.present & k.bit() == 0 {
+            return (&[], false);
+        }
+        let from = usize::from(self.first[usize::from(k.0)]);
+        if self.repeated & k.bit() == 0 {
+            (&self.spans[from..from + 1], false)
+        } else {
+            (&self.spans[from..], true)
         }
     }
 
-    /// False only when `name` is one of [`LOOKED_UP`] and absent.
-    fn may_have(&self, name: &str) -> bool {
-        let bit = looked_up_bit(name.as_bytes());
-        bit == 0 || self.present & bit != 0
+    /// First value of a known header: no name is compared.
+    pub fn get_known(&self, k: Known) -> Option<&[u8]> {
+        if self.present & k.bit() == 0 {
+            return None;
+        }
+        let s = self.spans[usize::from(self.first[usize::from(k.0)])];
+        Some(self.raw_bytes(s[2], s[3]))
+    }
+
+    /// Every value of a known header, in order.
+    pub fn all_known(&self, k: Known) -> impl Iterator<Item = &[u8]> + '_ {
+        let (spans, repeated) = self.known_spans(k);
+        Headers::raw_pairs(&self.raw, spans)
+            .filter(move |(n, _)| !repeated || super::write::name_is(n, k.name().as_bytes()))
+            .map(|(_, v)| v)
+    }
+
+    /// Whether any comma-separated token of any `k` header equals `token` (case-insensitive).
+    pub fn known_has_token(&self, k: Known, token: &[u8]) -> bool {
+        self.all_known(k).any(|v| {
+            v.split(|&b| b == b',')
+                .any(|t| trim(t).eq_ignore_ascii_case(token))
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -162,45 +284,67 @@ impl Headers {
         })
     }
 
+    /// Append the headers `keep` accepts to `out` as header lines. A run of consecutive
+    /// accepted lines is copied as received, in one piece, when each ends in CRLF (httparse
+    /// admits no folding, and the bytes between a name and its value are `:` and blanks);
+    /// any other line is written out as `name: value` + CRLF.
+    pub fn write_lines(&self, out: &mut Vec<u8>, mut keep: impl FnMut(&[u8], &[u8]) -> bool) {
+        let raw = &self.raw[..];
+        // The bytes of the run not yet copied.
+        let mut run = 0..0;
+        for s in &self.spans {
+            let [n0, nl, v0, vl] = s.map(|x| x as usize);
+            let (name, value) = (&raw[n0..n0 + nl], &raw[v0..v0 + vl]);
+            if !keep(name, value) {
+                out.extend_from_slice(&raw[std::mem::replace(&mut run, 0..0)]);
+                continue;
+            }
+            let end = v0 + vl;
+            if end >= n0 + nl && raw.get(end..end + 2) == Some(&b"\r\n"[..]) {
+                if run.is_empty() || run.end != n0 {
+                    out.extend_from_slice(&raw[std::mem::replace(&mut run, n0..n0)]);
+                }
+                run.end = end + 2;
+            } else {
+                out.extend_from_slice(&raw[std::mem::replace(&mut run, 0..0)]);
+                super::write::write_header(out, name, value);
+            }
+        }
+        out.extend_from_slice(&raw[run]);
+    }
+
     /// First value of a header, case-insensitive.
     pub fn get(&self, name: &str) -> Option<&[u8]> {
-        if !self.may_have(name) {
-            return None;
+        match looked_up(name.as_bytes()) {
+            Some(k) => self.get_known(k),
+            None => self
+                .iter_raw()
+                .find(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
+                .map(|(_, v)| v),
         }
-        self.iter_raw()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
-            .map(|(_, v)| v)
     }
 
     /// Every value of a header, case-insensitive.
     pub fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
-        let spans = if self.may_have(name) {
-            &self.spans[..]
-        } else {
-            &[]
+        let (spans, compare) = match looked_up(name.as_bytes()) {
+            Some(k) => self.known_spans(k),
+            None => (&self.spans[..], true),
         };
         Headers::raw_pairs(&self.raw, spans)
-            .filter(move |(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
+            .filter(move |(n, _)| !compare || n.eq_ignore_ascii_case(name.as_bytes()))
             .map(|(_, v)| v)
     }
 
     /// Whether `name` is listed in a `Connection` header as a hop-by-hop header
     /// (RFC 9110 §7.6.1). `close` and `keep-alive` are options, never header names here.
     pub fn connection_lists(&self, name: &[u8]) -> bool {
-        self.has_token("connection", name)
+        self.known_has_token(Known::CONNECTION, name)
     }
 
     /// Whether the `Connection` header names anything besides `close`/`keep-alive`, i.e.
     /// whether `connection_lists` can ever be true (so callers can skip per-header checks).
     pub fn connection_names_headers(&self) -> bool {
-        self.get_all("connection").any(|v| {
-            v.split(|&b| b == b',').any(|t| {
-                let t = trim(t);
-                !t.is_empty()
-                    && !t.eq_ignore_ascii_case(b"close")
-                    && !t.eq_ignore_ascii_case(b"keep-alive")
-            })
-        })
+        self.connection & CONN_NAMES != 0
     }
 
     /// Whether any comma-separated token of any `name` header equals `token` (case-insensitive).
@@ -284,7 +428,7 @@ fn offset_in(raw: &[u8], s: &str) -> [u32; 2] {
 /// Parse `Content-Length` values: all must be plain digits and agree.
 fn content_length(headers: &Headers) -> Result<Option<u64>, HeadError> {
     let mut found: Option<u64> = None;
-    for v in headers.get_all("content-length") {
+    for v in headers.all_known(Known::CONTENT_LENGTH) {
         for part in v.split(|&b| b == b',') {
             let part = trim(part);
             if part.is_empty() || part.len() > 19 || !part.iter().all(u8::is_ascii_digit) {
@@ -307,7 +451,7 @@ fn content_length(headers: &Headers) -> Result<Option<u64>, HeadError> {
 fn transfer_encoding(headers: &Headers) -> Option<bool> {
     let mut last: Option<&[u8]> = None;
     let mut present = false;
-    for v in headers.get_all("transfer-encoding") {
+    for v in headers.all_known(Known::TRANSFER_ENCODING) {
         present = true;
         for t in v.split(|&b| b == b',') {
             let t = trim(t);
@@ -375,13 +519,13 @@ pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
         (None, Some(n)) => BodyFraming::Length(n),
     };
     let keep_alive = if minor == 0 {
-        headers.has_token("connection", b"keep-alive")
+        headers.connection_keep_alive()
     } else {
-        !headers.has_token("connection", b"close")
+        !headers.connection_close()
     };
     let expect_continue = minor >= 1
         && headers
-            .get("expect")
+            .get_known(Known::EXPECT)
             .is_some_and(|v| trim(v).eq_ignore_ascii_case(b"100-continue"));
     Ok(HeadParse::Complete(
         RequestHead {
@@ -464,9 +608,9 @@ pub fn parse_response(
     let te = transfer_encoding(&headers);
     let cl = content_length(&headers);
     let mut reusable = if minor == 0 {
-        headers.has_token("connection", b"keep-alive")
+        headers.connection_keep_alive()
     } else {
-        !headers.has_token("connection", b"close")
+        !headers.connection_close()
     };
     let framing = if head_request || (100..200).contains(&code) || code == 204 || code == 304 {
         ResponseFraming::None
@@ -513,26 +657,138 @@ mod tests {
 
     #[test]
     fn lookups_of_listed_names_skip_absent_ones_and_find_present_ones() {
-        let h = req("GET / HTTP/1.1\r\nX-SESSION-ID: a\r\nX-Forwarded-For: 1.2.3.4\r\nx-forwarded-for: 5.6.7.8\r\nX-Other: o\r\n\r\n")
+        let h = req("GET / HTTP/1.1\r\nX-Other: o\r\nX-SESSION-ID: a\r\nX-Forwarded-For: 1.2.3.4\r\nContent-Type: t\r\nx-forwarded-for: 5.6.7.8\r\nX-Other: p\r\nConnection: a, b\r\ncontent-TYPE: u\r\n\r\n")
             .unwrap()
             .headers;
-        // Listed and present, in any case.
+        // Listed and present once or more, in any case: the first, and every one in order.
         assert_eq!(h.get("x-session-id"), Some(&b"a"[..]));
+        assert_eq!(h.get("content-type"), Some(&b"t"[..]));
         let xff: Vec<&[u8]> = h.get_all("x-forwarded-for").collect();
         assert_eq!(xff, [&b"1.2.3.4"[..], b"5.6.7.8"]);
+        let ct: Vec<&[u8]> = h.get_all("content-type").collect();
+        assert_eq!(ct, [&b"t"[..], b"u"]);
+        assert_eq!(h.get_all("x-session-id").count(), 1);
+        assert!(h.has_token("connection", b"b") && !h.has_token("connection", b"c"));
         // Listed and absent.
         assert_eq!(h.get("authorization"), None);
         assert_eq!(h.get_all("x-litellm-session-id").count(), 0);
+        assert_eq!(h.get(crate::control::session_prio::HEADER), None);
         // Not listed: looked up by comparing names.
         assert_eq!(h.get("x-other"), Some(&b"o"[..]));
+        assert_eq!(h.get_all("x-other").count(), 2);
         assert_eq!(h.get("x-missing"), None);
-        // Every listed name maps to its own bit, whatever its case; others to none.
+        // Lookups by index agree with lookups by name.
+        assert_eq!(h.get_known(Known::CONTENT_TYPE), Some(&b"t"[..]));
+        let ct: Vec<&[u8]> = h.all_known(Known::CONTENT_TYPE).collect();
+        assert_eq!(ct, [&b"t"[..], b"u"]);
+        assert_eq!(h.get_known(Known::AUTHORIZATION), None);
+        assert!(h.known_has_token(Known::CONNECTION, b"A"));
+        // Every listed name maps to its own index, whatever its case; others to none.
         for (i, n) in LOOKED_UP.iter().enumerate() {
-            assert_eq!(looked_up_bit(n.to_ascii_uppercase().as_bytes()), 1 << i);
-            assert!(LOOKED_UP[..i].iter().all(|m| m.len() != n.len()));
+            let k = looked_up(n.to_ascii_uppercase().as_bytes());
+            assert_eq!(k, Some(Known(i as u8)), "{n}");
+            assert_eq!(k.unwrap().name(), *n);
         }
-        assert_eq!(looked_up_bit(b"x-sessionid"), 0);
-        assert_eq!(looked_up_bit(&[b'a'; 40]), 0);
+        // Each constant names the header it says.
+        for (k, n) in [
+            (Known::CONTENT_LENGTH, "content-length"),
+            (Known::TRANSFER_ENCODING, "transfer-encoding"),
+            (Known::CONNECTION, "connection"),
+            (Known::EXPECT, "expect"),
+            (Known::X_FORWARDED_FOR, "x-forwarded-for"),
+            (Known::AUTHORIZATION, "authorization"),
+            (Known::X_API_KEY, "x-api-key"),
+            (Known::X_LITELLM_SESSION_ID, "x-litellm-session-id"),
+            (Known::X_CLAUDE_CODE_SESSION_ID, "x-claude-code-session-id"),
+            (Known::X_SESSION_ID, "x-session-id"),
+            (Known::CONTENT_TYPE, "content-type"),
+            (Known::X_PHANROUTER_SESSION, "x-phanrouter-session"),
+        ] {
+            assert_eq!(k.name(), n);
+        }
+        assert_eq!(looked_up(b"x-sessionid"), None);
+        assert_eq!(looked_up(b"x-session-ie"), None);
+        assert_eq!(looked_up(&[b'a'; 40]), None);
+        assert_eq!(
+            Known::X_PHANROUTER_SESSION.name(),
+            crate::control::session_prio::HEADER
+        );
+    }
+
+    #[test]
+    fn kept_lines_are_copied_as_received_and_others_normalised() {
+        let h = req("GET / HTTP/1.1\r\nHost: a\r\nX-A:1\r\nConnection: close\r\nX-B:\t two\r\nX-C: 3\nX-D: 4\r\nX-E: 5\r\n\r\n")
+            .unwrap()
+            .headers;
+        let mut out = b"> ".to_vec();
+        h.write_lines(&mut out, |n, _| !n.eq_ignore_ascii_case(b"connection"));
+        // Runs of CRLF lines as received (`X-A:1`, `X-B:\t two`); the bare-LF line
+        // rewritten with CRLF; the dropped line gone.
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "> Host: a\r\nX-A:1\r\nX-B:\t two\r\nX-C: 3\r\nX-D: 4\r\nX-E: 5\r\n"
+        );
+        let mut none = Vec::new();
+        h.write_lines(&mut none, |_, _| false);
+        assert!(none.is_empty());
+    }
+
+    #[test]
+    fn kept_lines_reparse_to_the_kept_headers() {
+        let mut rng = crate::testutil::XorShift::new(7);
+        let blanks = ["", " ", "  ", "\t", " \t "];
+        for _ in 0..500 {
+            let n = rng.below(12);
+            let mut head = String::from("POST /x HTTP/1.1\r\n");
+            for i in 0..n {
+                let pre = blanks[rng.below(blanks.len())];
+                let post = blanks[rng.below(blanks.len())];
+                let value = ["v", "a b", "", "x,y"][rng.below(4)];
+                let eol = if rng.below(4) == 0 { "\n" } else { "\r\n" };
+                head.push_str(&format!("H-{i}:{pre}{value}{post}{eol}"));
+            }
+            head.push_str("\r\n");
+            let HeadParse::Complete(h, _) = parse_request(head.as_bytes()).unwrap() else {
+                panic!("partial: {head:?}");
+            };
+            let h = h.headers;
+            let keep: Vec<bool> = (0..n).map(|_| rng.below(3) != 0).collect();
+            let mut i = 0;
+            let mut out = b"GET / HTTP/1.1\r\n".to_vec();
+            h.write_lines(&mut out, |_, _| {
+                i += 1;
+                keep[i - 1]
+            });
+            assert!(
+                !out.windows(2).any(|w| w[1] == b'\n' && w[0] != b'\r'),
+                "{head:?}"
+            );
+            out.extend_from_slice(b"\r\n");
+            let again = req(std::str::from_utf8(&out).unwrap()).unwrap().headers;
+            let want: Vec<_> = h
+                .iter_raw()
+                .zip(&keep)
+                .filter(|(_, k)| **k)
+                .map(|(p, _)| p)
+                .collect();
+            let got: Vec<_> = again.iter_raw().collect();
+            assert_eq!(got, want, "{head:?}");
+        }
+    }
+
+    #[test]
+    fn a_listed_name_among_the_last_allowed_headers_is_found() {
+        // `first` holds indexes as bytes: the limits keep them in range, the last too.
+        let mut s = String::from("HTTP/1.1 200 OK\r\n");
+        for i in 0..RESPONSE_HEADERS_MAX - 2 {
+            s.push_str(&format!("X-{i}: v\r\n"));
+        }
+        s.push_str("Content-Type: late\r\nContent-Length: 0\r\n\r\n");
+        let HeadParse::Complete(h, _) = parse_response(s.as_bytes(), false).unwrap() else {
+            panic!("partial");
+        };
+        assert_eq!(h.headers.get("content-type"), Some(&b"late"[..]));
+        assert_eq!(h.framing, ResponseFraming::Length(0));
     }
 
     fn req(s: &str) -> Result<RequestHead, HeadError> {
@@ -650,6 +906,17 @@ mod tests {
                 .unwrap()
                 .expect_continue
         );
+        // Tokens from every Connection header, in any case, among other tokens.
+        let h = req("GET / HTTP/1.1\r\nConnection: x-a , CLOSE\r\nX: y\r\nconnection: ,\r\n\r\n")
+            .unwrap();
+        assert!(!h.keep_alive && h.headers.connection_names_headers());
+        assert!(h.headers.connection_lists(b"X-A") && !h.headers.connection_lists(b"x"));
+        let h = req("GET / HTTP/1.0\r\nConnection: te\r\nConnection: keep-alive\r\n\r\n").unwrap();
+        assert!(h.keep_alive && h.headers.connection_names_headers());
+        let h = req("GET / HTTP/1.1\r\nConnection: keep-alive, close\r\n\r\n").unwrap();
+        assert!(!h.keep_alive && !h.headers.connection_names_headers());
+        let h = req("GET / HTTP/1.1\r\nConnection: keep-alive\r\n\r\n").unwrap();
+        assert!(h.keep_alive && !h.headers.connection_names_headers());
     }
 
     #[test]

@@ -12,7 +12,7 @@ mod write;
 
 pub use chunked::{encode_chunk, ChunkError, ChunkedDecoder};
 pub use head::{
-    parse_request, parse_response, BodyFraming, HeadError, HeadParse, Headers, RequestHead,
+    parse_request, parse_response, BodyFraming, HeadError, HeadParse, Headers, Known, RequestHead,
     ResponseFraming, ResponseHead,
 };
 pub use write::{is_hop_by_hop, name_is, push_decimal, status_reason, write_header};

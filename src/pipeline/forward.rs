@@ -54,23 +54,16 @@ pub fn build_request(
     out.extend_from_slice(b" HTTP/1.1\r\n");
     write_header(&mut out, b"Host", peer.host_header.as_bytes());
     let listed = head.headers.connection_names_headers();
-    for (name, value) in head.headers.iter_raw() {
-        if is_hop_by_hop(name)
+    head.headers.write_lines(&mut out, |name, _| {
+        !(is_hop_by_hop(name)
             || replaced_by_proxy(name)
             || (listed && head.headers.connection_lists(name))
-        {
-            continue;
-        }
-        if authorization.is_some()
-            && (http::name_is(name, b"authorization") || http::name_is(name, b"x-api-key"))
-        {
-            continue;
-        }
-        write_header(&mut out, name, value);
-    }
+            || (authorization.is_some()
+                && (http::name_is(name, b"authorization") || http::name_is(name, b"x-api-key"))))
+    });
     // X-Forwarded-For: the client's chain, then the client's address.
     out.extend_from_slice(b"X-Forwarded-For: ");
-    for v in head.headers.get_all("x-forwarded-for") {
+    for v in head.headers.all_known(http::Known::X_FORWARDED_FOR) {
         out.extend_from_slice(v);
         out.extend_from_slice(b", ");
     }

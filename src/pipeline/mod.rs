@@ -439,7 +439,9 @@ async fn proxy(
             .filter(|&slot| control::prio_state::enabled(seg, slot, opts))
             .map(|slot| {
                 let table = &route.prio_table;
-                let header = head.headers.get(control::session_prio::HEADER);
+                let header = head
+                    .headers
+                    .get_known(crate::http::Known::X_PHANROUTER_SESSION);
                 let bucket = control::prio_state::classify(
                     seg,
                     slot,
@@ -734,9 +736,14 @@ async fn proxy(
                 let keep = keep_client && !body_closes;
                 let mut out = std::mem::take(&mut ex.interim);
                 client_head(&mut out, &ex.head, head, &routing, &routed, keep, client);
-                let event_stream = ex.head.headers.get("content-type").is_some_and(|ct| {
-                    crate::postprocess::media_type(ct).eq_ignore_ascii_case(b"text/event-stream")
-                });
+                let event_stream = ex
+                    .head
+                    .headers
+                    .get_known(crate::http::Known::CONTENT_TYPE)
+                    .is_some_and(|ct| {
+                        crate::postprocess::media_type(ct)
+                            .eq_ignore_ascii_case(b"text/event-stream")
+                    });
                 let plan = RelayPlan {
                     framing: ex.head.framing,
                     client,
@@ -927,8 +934,10 @@ fn response_filters(
     // The usage-only frame the router's own include_usage injection caused is removed, so
     // the client sees exactly the stream it asked for.
     if usage_injected
-        && crate::postprocess::mode_for(up.status, up.headers.get("content-type"))
-            == Some(crate::postprocess::Mode::Sse)
+        && crate::postprocess::mode_for(
+            up.status,
+            up.headers.get_known(crate::http::Known::CONTENT_TYPE),
+        ) == Some(crate::postprocess::Mode::Sse)
     {
         chain
             .0
@@ -940,8 +949,10 @@ fn response_filters(
         route.cfg.opts.postprocess.as_str()
     };
     if let Some(handler) = crate::postprocess::Handler::from_name(name) {
-        if let Some(mode) = crate::postprocess::mode_for(up.status, up.headers.get("content-type"))
-        {
+        if let Some(mode) = crate::postprocess::mode_for(
+            up.status,
+            up.headers.get_known(crate::http::Known::CONTENT_TYPE),
+        ) {
             chain
                 .0
                 .push(Box::new(crate::postprocess::PostProcessor::new(
@@ -1174,7 +1185,7 @@ fn transform_body(
     path: &str,
 ) -> (Option<Bytes>, bool) {
     use cells::route as c;
-    if body.is_empty() || !transform_candidate(body) {
+    if body.is_empty() {
         return (None, false);
     }
     let opts = &route.cfg.opts;
@@ -1185,6 +1196,14 @@ fn transform_body(
         include_usage: t(c::TOGGLE_INCLUDE_USAGE, opts.include_usage),
         messages_path: path == "/v1/messages",
     };
+    // With every transform off and no `/v1/messages` system hoist to do, nothing can
+    // change. A body the router has read already (`fields`) is decided from its facts
+    // below, without a scan; any other is only parsed when it holds a byte sequence some
+    // transform looks for.
+    let any = topts.cch_strip || topts.kimi_normalize || topts.include_usage;
+    if !(any || topts.messages_path) || (fields.is_none() && !transform_candidate(body)) {
+        return (None, false);
+    }
     // The usual body is decided from the fields the router reads anyway (one streaming
     // pass); only the rest is decoded into a tree.
     let parsed;
@@ -1261,20 +1280,15 @@ fn client_head(
     out.extend_from_slice(b"\r\n");
     let listed = up.headers.connection_names_headers();
     let reframed = client != ClientFraming::Passthrough;
-    for (name, value) in up.headers.iter_raw() {
-        if is_hop_by_hop(name) || (listed && up.headers.connection_lists(name)) {
-            continue;
-        }
-        // Re-framed bodies carry our framing, not the peer's.
-        if reframed && (name_is(name, b"transfer-encoding") || name_is(name, b"content-length")) {
-            continue;
-        }
-        // A peer's own routing headers never reach the client: ours describe this hop.
-        if name.len() > 9 && name_is(&name[..9], b"x-routed-") {
-            continue;
-        }
-        write_header(out, name, value);
-    }
+    up.headers.write_lines(out, |name, _| {
+        !(is_hop_by_hop(name)
+            || (listed && up.headers.connection_lists(name))
+            // Re-framed bodies carry our framing, not the peer's.
+            || (reframed
+                && (name_is(name, b"transfer-encoding") || name_is(name, b"content-length")))
+            // A peer's own routing headers never reach the client: ours describe this hop.
+            || (name.len() > 9 && name_is(&name[..9], b"x-routed-")))
+    });
     if routing.expose {
         write_header(out, b"X-Routed-Session", routing.session.as_bytes());
         write_header(out, b"X-Routed-Source", routing.source.as_bytes());

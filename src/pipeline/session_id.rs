@@ -15,7 +15,7 @@ use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 
 use super::body_scan;
-use crate::http::Headers;
+use crate::http::{Headers, Known};
 use crate::limits::SESSION_ID_HASH_BYTES_MAX;
 
 /// Bytes of the original id shown in `X-Routed-Session` before it is cut with `...`.
@@ -29,6 +29,13 @@ const HEADER_SOURCES: [(&str, &str); 3] = [
         "header:x-claude-code-session-id",
     ),
     ("x-session-id", "header:x-session-id"),
+];
+
+/// The header sources as the parsed head indexes them (same order).
+const HEADER_KNOWN: [Known; 3] = [
+    Known::X_LITELLM_SESSION_ID,
+    Known::X_CLAUDE_CODE_SESSION_ID,
+    Known::X_SESSION_ID,
 ];
 
 /// Body sources (dotted paths), in precedence order, with their labels.
@@ -205,13 +212,16 @@ fn is_blank(s: &str) -> bool {
 
 /// The first non-blank value of the first header source that has one.
 fn header_id(headers: &Headers) -> Option<(Cow<'_, str>, Source)> {
-    HEADER_SOURCES.iter().find_map(|&(name, _)| {
-        headers
-            .get_all(name)
-            .map(String::from_utf8_lossy)
-            .find(|v| !is_blank(v))
-            .map(|v| (v, Source::Header(name)))
-    })
+    HEADER_KNOWN
+        .iter()
+        .zip(HEADER_SOURCES)
+        .find_map(|(&k, (name, _))| {
+            headers
+                .all_known(k)
+                .map(String::from_utf8_lossy)
+                .find(|v| !is_blank(v))
+                .map(|v| (v, Source::Header(name)))
+        })
 }
 
 /// The winning id, borrowed where possible, before the affinity switch applies.
@@ -908,6 +918,14 @@ mod tests {
             "]".repeat(5000)
         );
         assert_eq!(body(&deep).user.as_deref(), Some("u"));
+    }
+
+    #[test]
+    fn the_indexed_header_sources_are_the_named_ones() {
+        for (k, (name, label)) in HEADER_KNOWN.iter().zip(HEADER_SOURCES) {
+            assert_eq!(k.name(), name);
+            assert_eq!(label, format!("header:{name}"));
+        }
     }
 
     #[test]
