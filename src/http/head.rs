@@ -428,20 +428,29 @@ fn offset_in(raw: &[u8], s: &str) -> [u32; 2] {
 /// Parse `Content-Length` values: all must be plain digits and agree.
 fn content_length(headers: &Headers) -> Result<Option<u64>, HeadError> {
     let mut found: Option<u64> = None;
+    // At most 19 digits: below u64::MAX, so no overflow.
+    let mut agree = |part: &[u8]| {
+        let n = part.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+        match found.replace(n) {
+            Some(prev) if prev != n => {
+                Err(HeadError::BadFraming("conflicting Content-Length headers"))
+            }
+            _ => Ok(()),
+        }
+    };
+    let plain = |part: &[u8]| (1..=19).contains(&part.len()) && part.iter().all(u8::is_ascii_digit);
     for v in headers.all_known(Known::CONTENT_LENGTH) {
+        // The usual value is plain digits: nothing to split or trim.
+        if plain(v) {
+            agree(v)?;
+            continue;
+        }
         for part in v.split(|&b| b == b',') {
             let part = trim(part);
-            if part.is_empty() || part.len() > 19 || !part.iter().all(u8::is_ascii_digit) {
+            if !plain(part) {
                 return Err(HeadError::BadFraming("invalid Content-Length"));
             }
-            // At most 19 digits: below u64::MAX, so no overflow.
-            let n = part.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
-            match found {
-                Some(prev) if prev != n => {
-                    return Err(HeadError::BadFraming("conflicting Content-Length headers"))
-                }
-                _ => found = Some(n),
-            }
+            agree(part)?;
         }
     }
     Ok(found)
@@ -870,6 +879,36 @@ mod tests {
         ));
         assert!(matches!(
             req("POST / HTTP/1.1\r\nContent-Length: +5\r\n\r\n").unwrap_err(),
+            HeadError::BadFraming(_)
+        ));
+        // A list of equal values, a plain value and a list together, the digit limit.
+        assert_eq!(
+            req("POST / HTTP/1.1\r\nContent-Length: 7 ,7\r\ncontent-length: 7\r\n\r\n")
+                .unwrap()
+                .body,
+            BodyFraming::Length(7)
+        );
+        assert!(matches!(
+            req("POST / HTTP/1.1\r\nContent-Length: 7\r\nContent-Length: 7, 8\r\n\r\n")
+                .unwrap_err(),
+            HeadError::BadFraming(_)
+        ));
+        assert!(matches!(
+            req("POST / HTTP/1.1\r\nContent-Length: ,\r\n\r\n").unwrap_err(),
+            HeadError::BadFraming(_)
+        ));
+        let max = "9".repeat(19);
+        assert_eq!(
+            req(&format!("POST / HTTP/1.1\r\nContent-Length: {max}\r\n\r\n"))
+                .unwrap()
+                .body,
+            BodyFraming::Length(max.parse().unwrap())
+        );
+        assert!(matches!(
+            req(&format!(
+                "POST / HTTP/1.1\r\nContent-Length: 1{max}\r\n\r\n"
+            ))
+            .unwrap_err(),
             HeadError::BadFraming(_)
         ));
         assert_eq!(

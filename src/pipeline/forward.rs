@@ -36,8 +36,9 @@ fn replaced_by_proxy(name: &[u8]) -> bool {
 /// end-to-end headers, the proxy's own (`Host`, `Content-Length`, forwarding headers)
 /// and — when it is small — the body, so head and body leave in one write.
 /// `authorization`, when set (`upstream_api_key`), replaces the client's credentials.
-/// Returns the buffer and whether the body is in it.
+/// Written into `out` (cleared first); returns it and whether the body is in it.
 pub fn build_request(
+    mut out: Vec<u8>,
     head: &RequestHead,
     target: &str,
     peer: &PeerRt,
@@ -46,8 +47,8 @@ pub fn build_request(
     authorization: Option<&str>,
 ) -> (Vec<u8>, bool) {
     let inline = body.len() <= INLINE_BODY_BYTES_MAX;
-    let mut out =
-        Vec::with_capacity(384 + head.headers.len() * 48 + if inline { body.len() } else { 0 });
+    out.clear();
+    out.reserve(384 + head.headers.len() * 48 + if inline { body.len() } else { 0 });
     out.extend_from_slice(head.method_bytes());
     out.push(b' ');
     out.extend_from_slice(target.as_bytes());
@@ -126,6 +127,8 @@ pub struct Exchanged {
     pub first_byte_at: Instant,
     /// When the rest of the head arrived (with `buf[start..]`).
     pub head_at: Instant,
+    /// The request's buffer, sent, for reuse.
+    pub req: Vec<u8>,
 }
 
 /// Per-request settings of an exchange.
@@ -169,7 +172,7 @@ pub async fn exchange(
         )
         .await
         {
-            Ok((head, buf, start, interim, [first_byte_at, head_at])) => {
+            Ok((head, buf, start, interim, [first_byte_at, head_at], req)) => {
                 return Ok(Exchanged {
                     stream,
                     head,
@@ -178,6 +181,7 @@ pub async fn exchange(
                     interim,
                     first_byte_at,
                     head_at,
+                    req,
                 })
             }
             Err((SendError::BeforeAnyByte, b, Some(r))) if reused => {
@@ -218,9 +222,9 @@ enum SendError {
     Fatal(ExchangeError),
 }
 
-/// The head, the read buffer, where the body starts in it, the interim heads, and when
-/// the first and the last of the head's bytes arrived.
-type HeadResult = (ResponseHead, Vec<u8>, usize, Vec<u8>, [Instant; 2]);
+/// The head, the read buffer, where the body starts in it, the interim heads, when the
+/// first and the last of the head's bytes arrived, and the request's buffer.
+type HeadResult = (ResponseHead, Vec<u8>, usize, Vec<u8>, [Instant; 2], Vec<u8>);
 
 /// Why sending failed, with the read buffer and (when still at hand) the request bytes,
 /// so a retry on a fresh connection needs no copy.
@@ -324,7 +328,8 @@ async fn send_and_read_head(
                         )));
                     }
                     let first = first_byte_at.unwrap_or(read_at);
-                    return Ok((h, buf, start + used, interim, [first, read_at]));
+                    let req = req.take().unwrap_or_default();
+                    return Ok((h, buf, start + used, interim, [first, read_at], req));
                 }
                 Err(e) => bail!(SendError::Fatal(ExchangeError::Bad(match e {
                     http::HeadError::TooLarge | http::HeadError::TooManyHeaders =>

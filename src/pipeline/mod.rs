@@ -579,6 +579,7 @@ async fn proxy(
         let mut fallback: Option<std::vec::IntoIter<usize>> = None;
         let mut idx = first;
         let mut buf = ctx.take_buf();
+        let mut req_buf = ctx.take_head_buf();
         // The client's body itself unless a transform changed it: no second owner (a clone
         // of a Vec-backed Bytes allocates) for the usual request, whose body is copied into
         // the request buffer anyway.
@@ -592,6 +593,7 @@ async fn proxy(
                 rcell(cells::route::RETRIES).fetch_add(1, Relaxed);
             }
             let (req, inline) = forward::build_request(
+                std::mem::take(&mut req_buf),
                 head,
                 &p.target,
                 peer,
@@ -643,6 +645,7 @@ async fn proxy(
                         .fetch_add(1, Relaxed);
                     tracing::warn!(route = route.name(), peer = %peer.name, status = ex.head.status, "peer answered 5xx; trying another peer");
                     buf = ex.buf;
+                    req_buf = ex.req;
                 }
                 Ok(ex) => {
                     outcome = Some(Ok((
@@ -734,7 +737,11 @@ async fn proxy(
                     || (client == ClientFraming::Passthrough
                         && ex.head.framing == ResponseFraming::UntilClose);
                 let keep = keep_client && !body_closes;
-                let mut out = std::mem::take(&mut ex.interim);
+                // The request's buffer, sent, takes the client's head (after any interim
+                // heads): one spare buffer per request.
+                let mut out = std::mem::take(&mut ex.req);
+                out.clear();
+                out.append(&mut ex.interim);
                 client_head(&mut out, &ex.head, head, &routing, &routed, keep, client);
                 let event_stream = ex
                     .head
@@ -777,6 +784,7 @@ async fn proxy(
                     &mut watch,
                     &mut stats,
                     ctx.spare_bufs(),
+                    ctx.spare_heads(),
                 )
                 .await;
                 drop(inflight);

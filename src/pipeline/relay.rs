@@ -196,6 +196,7 @@ pub async fn relay(
     watch: &mut ClientWatch<'_>,
     stats: &mut RelayStats,
     spares: &Spares,
+    heads: &Spares,
 ) -> (RelayEnd, Option<Vec<u8>>) {
     let mut tracker = match plan.framing {
         ResponseFraming::None => Tracker::None,
@@ -317,7 +318,10 @@ pub async fn relay(
                     // Pass-through writes straight from the read buffer after the head: the
                     // head's buffer is not kept for the rest of a long stream.
                     Ok(b) if decode => out = b,
-                    Ok(_) => out = Vec::new(),
+                    Ok(b) => {
+                        heads.put(b);
+                        out = Vec::new();
+                    }
                     Err(_) => return (RelayEnd::ClientGone, Some(pending)),
                 }
                 out.clear();

@@ -40,12 +40,18 @@ pub struct WorkerCtx {
     bufs: Spares,
     /// Spare body tails (see `relay::Tail`), for the same reason.
     tails: Spares,
+    /// Spare head buffers: the request for the peer and the response head for the client.
+    heads: Spares,
     /// This worker's body-log sender, when a listener is configured (fixed at start).
     pub bodylog: Option<Rc<crate::bodylog::sender::Sender>>,
 }
 
 /// Spare buffers of each kind kept per worker.
 const SPARE_BUFS_MAX: usize = 256;
+
+/// Head buffers start this large: a usual request head with its JSON body, or a usual
+/// response head, fits without growing; one that grew up to 4x is still kept.
+const HEAD_BUF_BYTES: usize = 2048;
 
 /// A bounded free list of byte buffers of one size: a buffer given back is cleared and
 /// kept (up to `SPARE_BUFS_MAX`) unless its capacity has left `size..=4 * size` — a
@@ -132,6 +138,7 @@ impl WorkerCtx {
             access_log: RefCell::new(AccessLog::open(log)),
             bufs: Spares::new(crate::limits::RELAY_READ_BUF_BYTES),
             tails: Spares::new(crate::pipeline::relay::TAIL_BYTES),
+            heads: Spares::new(HEAD_BUF_BYTES),
             bodylog,
         }
     }
@@ -163,6 +170,16 @@ impl WorkerCtx {
     /// The spare relay buffers themselves, for a relay that gives one back midway.
     pub fn spare_bufs(&self) -> &Spares {
         &self.bufs
+    }
+
+    /// A buffer to write a head (and a small body) into.
+    pub fn take_head_buf(&self) -> Vec<u8> {
+        self.heads.take()
+    }
+
+    /// The spare head buffers, for the relay to give the client's head buffer back to.
+    pub fn spare_heads(&self) -> &Spares {
+        &self.heads
     }
 
     /// A body tail for a relay.
