@@ -313,7 +313,11 @@ def render_md(args, data):
     tools = f"{m['nginx']}; {m['haproxy']}; {m['wrk']}"
     if data.get("router_versions"):
         tools += f"; {data['router_versions']} (PyPI wheels, in a venv outside the repository)"
-    add(f"## overhead — proxy overhead over one backend ({data['date']})")
+    quota = s.get("proxy_quota_pct")
+    if quota:
+        add(f"## overhead-capped — the pinned proxies limited to {quota}% of a core ({data['date']})")
+    else:
+        add(f"## overhead — proxy overhead over one backend ({data['date']})")
     add("")
     add(f"- **Date**: {data['date']} · **git**: `{data['git']}` · **backend**: {backend_desc}")
     add(f"- **Machine**: {m['nproc']} cores ({m['cpu_model']}), kernel `{m['kernel']}`, "
@@ -337,6 +341,13 @@ def render_md(args, data):
         f"would in production with wrk and the backend unpinned next to them; *direct-shared* is the "
         f"backend with the same unpinned wrk. Added latency is against the direct row of the same "
         f"placement.")
+    if quota:
+        add(f"- **Capped**: every pinned proxy (not *direct*, not the backend, not wrk) runs in a CPU "
+            f"cgroup with a quota of {quota}% of one core ({quota * 100} µs per 10 ms period, like "
+            f"`docker run --cpus {quota / 100:g}`), so the proxy is the limit and its req/s measures "
+            f"what a request costs it, not what the load core can drive. The quota stalls a proxy "
+            f"that has used its share until the next period, so every party's p99 here is mostly "
+            f"those stalls: compare p99 in the uncapped section.")
     add("- **Proxy settings**: nginx `keepalive 64`, `proxy_http_version 1.1`, "
         "`proxy_set_header Connection \"\"`, `proxy_buffering off`, X-Forwarded-For/X-Real-IP/"
         "X-Forwarded-Proto set, `/bench/` prefix stripped (nginx + Lua: the same, the peer chosen "
@@ -490,7 +501,11 @@ def write_chart(path, data):
                 ax.set_xlim(0, max(vals) * 1.18 if vals else 1)
             ax.set_title(f"{c['case']}: {title}", fontsize=10)
             ax.grid(axis="x", alpha=0.3)
-    handles = [Patch(color=colors["pinned"], label="pinned: proxy alone on 1 core, wrk + backend on the other"),
+    quota = data["settings"].get("proxy_quota_pct")
+    pinned_label = "pinned: proxy alone on 1 core, wrk + backend on the other"
+    if quota:
+        pinned_label = f"pinned, capped at {quota}% of its core: wrk + backend on the other"
+    handles = [Patch(color=colors["pinned"], label=pinned_label),
                Patch(color=colors["shared"], label="shared: 2 workers/threads, everything on both cores"),
                Patch(facecolor="white", edgecolor="black", label="warmroute (-body: id in the JSON body)")]
     fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=9, frameon=False)
@@ -556,6 +571,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--lat-duration", default="3s")
     ap.add_argument("--proxy-cpu", default="0")
+    ap.add_argument("--proxy-quota", default="")
     ap.add_argument("--load-cpu", default="1")
     ap.add_argument("--sessions", type=int, default=64)
     ap.add_argument("--parties", default="")
@@ -591,6 +607,7 @@ def main():
             "rounds": args.rounds,
             "lat_duration": args.lat_duration,
             "proxy_cpu": args.proxy_cpu,
+            "proxy_quota_pct": int(args.proxy_quota) if args.proxy_quota else None,
             "load_cpu": args.load_cpu,
             "sessions": args.sessions,
         },

@@ -145,38 +145,84 @@ fn looked_up(name: &[u8]) -> Option<Known> {
 // `first` holds span indexes as bytes.
 const _: () = assert!(REQUEST_HEADERS_MAX <= 256 && RESPONSE_HEADERS_MAX <= 256);
 
+/// The buffers of heads this thread dropped, for the next heads it parses: a worker parses
+/// two heads per request, and reusing their buffers spares four allocations. Per thread
+/// (workers share nothing) and bounded in count and size.
+type HeadStorage = (Vec<u8>, Vec<[u32; 4]>);
+
+thread_local! {
+    static SPARE_STORAGE: std::cell::RefCell<Vec<HeadStorage>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Spare head buffers kept per thread.
+const SPARE_STORAGE_MAX: usize = 64;
+/// A head buffer larger than this is freed rather than kept.
+const SPARE_RAW_BYTES_MAX: usize = 8 * 1024;
+
+fn take_storage() -> HeadStorage {
+    SPARE_STORAGE
+        .try_with(|s| s.try_borrow_mut().ok().and_then(|mut s| s.pop()))
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+impl Drop for Headers {
+    fn drop(&mut self) {
+        if self.raw.capacity() == 0
+            || self.raw.capacity() > SPARE_RAW_BYTES_MAX
+            || self.spans.capacity() > RESPONSE_HEADERS_MAX
+        {
+            return;
+        }
+        let storage = (
+            std::mem::take(&mut self.raw),
+            std::mem::take(&mut self.spans),
+        );
+        // During thread exit the list may be gone: then the buffers are simply freed.
+        let _ = SPARE_STORAGE.try_with(|s| {
+            if let Ok(mut s) = s.try_borrow_mut() {
+                if s.len() < SPARE_STORAGE_MAX {
+                    s.push(storage);
+                }
+            }
+        });
+    }
+}
+
 impl Headers {
     fn from_parsed(raw: &[u8], list: &[httparse::Header<'_>]) -> Headers {
         let base = raw.as_ptr() as usize;
         let mut present = 0u16;
         let mut repeated = 0u16;
         let mut first = [0u8; LOOKED_UP.len()];
-        let spans = list
-            .iter()
-            .enumerate()
-            .map(|(at, h)| {
-                if let Some(k) = looked_up(h.name.as_bytes()) {
-                    let bit = k.bit();
-                    if present & bit == 0 {
-                        present |= bit;
-                        first[usize::from(k.0)] = at as u8;
-                    } else {
-                        repeated |= bit;
-                    }
+        let (mut buf, mut spans) = take_storage();
+        buf.clear();
+        buf.extend_from_slice(raw);
+        spans.clear();
+        spans.extend(list.iter().enumerate().map(|(at, h)| {
+            if let Some(k) = looked_up(h.name.as_bytes()) {
+                let bit = k.bit();
+                if present & bit == 0 {
+                    present |= bit;
+                    first[usize::from(k.0)] = at as u8;
+                } else {
+                    repeated |= bit;
                 }
-                // httparse hands out sub-slices of `raw`, so the offsets are in range.
-                let n = h.name.as_ptr() as usize - base;
-                let v = h.value.as_ptr() as usize - base;
-                [
-                    n as u32,
-                    h.name.len() as u32,
-                    v as u32,
-                    h.value.len() as u32,
-                ]
-            })
-            .collect();
+            }
+            // httparse hands out sub-slices of `raw`, so the offsets are in range.
+            let n = h.name.as_ptr() as usize - base;
+            let v = h.value.as_ptr() as usize - base;
+            [
+                n as u32,
+                h.name.len() as u32,
+                v as u32,
+                h.value.len() as u32,
+            ]
+        }));
         let mut h = Headers {
-            raw: raw.to_vec(),
+            raw: buf,
             spans,
             present,
             repeated,
@@ -783,6 +829,37 @@ mod tests {
             let got: Vec<_> = again.iter_raw().collect();
             assert_eq!(got, want, "{head:?}");
         }
+    }
+
+    #[test]
+    fn a_dropped_head_lends_its_buffers_to_the_next_one() {
+        let a = req("GET /a HTTP/1.1\r\nHost: a\r\nX-A: 1\r\n\r\n").unwrap();
+        let (raw, spans) = (a.headers.raw.as_ptr(), a.headers.spans.as_ptr());
+        drop(a);
+        let b = req("GET /b HTTP/1.1\r\nHost: b\r\n\r\n").unwrap();
+        assert_eq!(
+            (b.headers.raw.as_ptr(), b.headers.spans.as_ptr()),
+            (raw, spans)
+        );
+        // Nothing of the first head shows through.
+        assert_eq!(b.target(), "/b");
+        assert_eq!(b.headers.len(), 1);
+        assert_eq!(b.headers.get("x-a"), None);
+        assert_eq!(b.headers.get("host"), Some(&b"b"[..]));
+        // A head whose buffer is too large to keep is freed, not kept.
+        let big = format!(
+            "GET / HTTP/1.1\r\nX-Big: {}\r\n\r\n",
+            "v".repeat(SPARE_RAW_BYTES_MAX)
+        );
+        drop(req(&big).unwrap());
+        let kept = SPARE_STORAGE.with(|s| s.borrow().iter().map(|(r, _)| r.capacity()).max());
+        assert!(kept.unwrap_or(0) <= SPARE_RAW_BYTES_MAX);
+        // The list stays bounded.
+        let many: Vec<_> = (0..SPARE_STORAGE_MAX + 10)
+            .map(|_| req("GET / HTTP/1.1\r\n\r\n").unwrap())
+            .collect();
+        drop(many);
+        assert_eq!(SPARE_STORAGE.with(|s| s.borrow().len()), SPARE_STORAGE_MAX);
     }
 
     #[test]
