@@ -160,9 +160,16 @@ const SPARE_STORAGE_MAX: usize = 64;
 /// A head buffer larger than this is freed rather than kept.
 const SPARE_RAW_BYTES_MAX: usize = 8 * 1024;
 
-fn take_storage() -> HeadStorage {
+/// A spare head buffer for a head of `len` bytes, when the latest one kept is not more
+/// than 4x too large for it (a small head must not keep a large head's buffer for as long
+/// as it lives: a stream holds two heads); otherwise new buffers.
+fn take_storage(len: usize) -> HeadStorage {
+    let fits = |s: &HeadStorage| s.0.capacity() <= 4 * len.max(256) && s.1.capacity() <= 32;
     SPARE_STORAGE
-        .try_with(|s| s.try_borrow_mut().ok().and_then(|mut s| s.pop()))
+        .try_with(|s| {
+            let mut s = s.try_borrow_mut().ok()?;
+            s.last().is_some_and(fits).then(|| s.pop()).flatten()
+        })
         .ok()
         .flatten()
         .unwrap_or_default()
@@ -197,7 +204,7 @@ impl Headers {
         let mut present = 0u16;
         let mut repeated = 0u16;
         let mut first = [0u8; LOOKED_UP.len()];
-        let (mut buf, mut spans) = take_storage();
+        let (mut buf, mut spans) = take_storage(raw.len());
         buf.clear();
         buf.extend_from_slice(raw);
         spans.clear();
@@ -854,6 +861,16 @@ mod tests {
         drop(req(&big).unwrap());
         let kept = SPARE_STORAGE.with(|s| s.borrow().iter().map(|(r, _)| r.capacity()).max());
         assert!(kept.unwrap_or(0) <= SPARE_RAW_BYTES_MAX);
+        // A small head does not take a spare much larger than itself.
+        let large = format!("GET / HTTP/1.1\r\nX-L: {}\r\n\r\n", "v".repeat(4000));
+        drop(req(&large).unwrap());
+        let small = req("GET / HTTP/1.1\r\nHost: s\r\n\r\n").unwrap();
+        assert!(
+            small.headers.raw.capacity() < 1024,
+            "{}",
+            small.headers.raw.capacity()
+        );
+        drop(small);
         // The list stays bounded.
         let many: Vec<_> = (0..SPARE_STORAGE_MAX + 10)
             .map(|_| req("GET / HTTP/1.1\r\n\r\n").unwrap())

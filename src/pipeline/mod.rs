@@ -1209,7 +1209,9 @@ fn transform_body(
     // below, without a scan; any other is only parsed when it holds a byte sequence some
     // transform looks for.
     let any = topts.cch_strip || topts.kimi_normalize || topts.include_usage;
-    if !(any || topts.messages_path) || (fields.is_none() && !transform_candidate(body)) {
+    // (`/v1/messages` bodies are not decided from facts: they keep the scan.)
+    let scan = fields.is_none() || topts.messages_path;
+    if !(any || topts.messages_path) || (scan && !transform_candidate(body)) {
         return (None, false);
     }
     // The usual body is decided from the fields the router reads anyway (one streaming

@@ -181,6 +181,9 @@ enum Tracker {
     UntilClose,
 }
 
+/// The largest client-write buffer a re-framed body keeps from one write to the next.
+const DECODE_OUT_KEEP_BYTES: usize = 4 * 1024;
+
 /// Relay the response: `head_bytes` (the client's response head) goes out with the first
 /// body bytes, then each upstream read becomes one client write. `buf[start..]` holds body
 /// bytes that arrived with the head. Returns how it ended and the read buffer for reuse.
@@ -317,7 +320,9 @@ pub async fn relay(
                 match write_client(client, out).await {
                     // Pass-through writes straight from the read buffer after the head: the
                     // head's buffer is not kept for the rest of a long stream.
-                    Ok(b) if decode => out = b,
+                    // Re-framed bodies keep a buffer for their chunks, but not the head's:
+                    // it may be the request's buffer, sized for an inlined prompt.
+                    Ok(b) if decode && b.capacity() <= DECODE_OUT_KEEP_BYTES => out = b,
                     Ok(b) => {
                         heads.put(b);
                         out = Vec::new();
