@@ -159,12 +159,16 @@ thread_local! {
 const SPARE_STORAGE_MAX: usize = 64;
 /// A head buffer larger than this is freed rather than kept.
 const SPARE_RAW_BYTES_MAX: usize = 8 * 1024;
+/// Span lists with room for more headers than this are freed rather than kept (and not
+/// handed out).
+const SPARE_SPANS_MAX: usize = 32;
 
 /// A spare head buffer for a head of `len` bytes, when the latest one kept is not more
 /// than 4x too large for it (a small head must not keep a large head's buffer for as long
 /// as it lives: a stream holds two heads); otherwise new buffers.
 fn take_storage(len: usize) -> HeadStorage {
-    let fits = |s: &HeadStorage| s.0.capacity() <= 4 * len.max(256) && s.1.capacity() <= 32;
+    let fits =
+        |s: &HeadStorage| s.0.capacity() <= 4 * len.max(256) && s.1.capacity() <= SPARE_SPANS_MAX;
     SPARE_STORAGE
         .try_with(|s| {
             let mut s = s.try_borrow_mut().ok()?;
@@ -179,7 +183,7 @@ impl Drop for Headers {
     fn drop(&mut self) {
         if self.raw.capacity() == 0
             || self.raw.capacity() > SPARE_RAW_BYTES_MAX
-            || self.spans.capacity() > RESPONSE_HEADERS_MAX
+            || self.spans.capacity() > SPARE_SPANS_MAX
         {
             return;
         }
@@ -398,14 +402,6 @@ impl Headers {
     /// whether `connection_lists` can ever be true (so callers can skip per-header checks).
     pub fn connection_names_headers(&self) -> bool {
         self.connection & CONN_NAMES != 0
-    }
-
-    /// Whether any comma-separated token of any `name` header equals `token` (case-insensitive).
-    pub fn has_token(&self, name: &str, token: &[u8]) -> bool {
-        self.get_all(name).any(|v| {
-            v.split(|&b| b == b',')
-                .any(|t| trim(t).eq_ignore_ascii_case(token))
-        })
     }
 
     fn raw_str(&self, start: u32, len: u32) -> &str {
@@ -730,7 +726,10 @@ mod tests {
         let ct: Vec<&[u8]> = h.get_all("content-type").collect();
         assert_eq!(ct, [&b"t"[..], b"u"]);
         assert_eq!(h.get_all("x-session-id").count(), 1);
-        assert!(h.has_token("connection", b"b") && !h.has_token("connection", b"c"));
+        assert!(
+            h.known_has_token(Known::CONNECTION, b"b")
+                && !h.known_has_token(Known::CONNECTION, b"c")
+        );
         // Listed and absent.
         assert_eq!(h.get("authorization"), None);
         assert_eq!(h.get_all("x-litellm-session-id").count(), 0);

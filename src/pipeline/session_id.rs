@@ -21,21 +21,14 @@ use crate::limits::SESSION_ID_HASH_BYTES_MAX;
 /// Bytes of the original id shown in `X-Routed-Session` before it is cut with `...`.
 const HEADER_VALUE_ID_BYTES_MAX: usize = 128;
 
-/// Header sources, in precedence order, with their labels.
-const HEADER_SOURCES: [(&str, &str); 3] = [
-    ("x-litellm-session-id", "header:x-litellm-session-id"),
+/// Header sources, in precedence order (as the parsed head indexes them), with their labels.
+const HEADER_SOURCES: [(Known, &str); 3] = [
+    (Known::X_LITELLM_SESSION_ID, "header:x-litellm-session-id"),
     (
-        "x-claude-code-session-id",
+        Known::X_CLAUDE_CODE_SESSION_ID,
         "header:x-claude-code-session-id",
     ),
-    ("x-session-id", "header:x-session-id"),
-];
-
-/// The header sources as the parsed head indexes them (same order).
-const HEADER_KNOWN: [Known; 3] = [
-    Known::X_LITELLM_SESSION_ID,
-    Known::X_CLAUDE_CODE_SESSION_ID,
-    Known::X_SESSION_ID,
+    (Known::X_SESSION_ID, "header:x-session-id"),
 ];
 
 /// Body sources (dotted paths), in precedence order, with their labels.
@@ -76,7 +69,10 @@ impl Source {
         match *self {
             Source::None => Cow::Borrowed("none"),
             Source::AffinityOff => Cow::Borrowed("affinity_off"),
-            Source::Header(n) => known(&HEADER_SOURCES, n)
+            Source::Header(n) => HEADER_SOURCES
+                .iter()
+                .find(|(k, _)| k.name() == n)
+                .map(|(_, l)| *l)
                 .map_or_else(|| Cow::Owned(format!("header:{n}")), Cow::Borrowed),
             Source::Body(p) => known(&BODY_SOURCES, p)
                 .map_or_else(|| Cow::Owned(format!("body:{p}")), Cow::Borrowed),
@@ -212,16 +208,13 @@ fn is_blank(s: &str) -> bool {
 
 /// The first non-blank value of the first header source that has one.
 fn header_id(headers: &Headers) -> Option<(Cow<'_, str>, Source)> {
-    HEADER_KNOWN
-        .iter()
-        .zip(HEADER_SOURCES)
-        .find_map(|(&k, (name, _))| {
-            headers
-                .all_known(k)
-                .map(String::from_utf8_lossy)
-                .find(|v| !is_blank(v))
-                .map(|v| (v, Source::Header(name)))
-        })
+    HEADER_SOURCES.iter().find_map(|&(k, _)| {
+        headers
+            .all_known(k)
+            .map(String::from_utf8_lossy)
+            .find(|v| !is_blank(v))
+            .map(|v| (v, Source::Header(k.name())))
+    })
 }
 
 /// The winning id, borrowed where possible, before the affinity switch applies.
@@ -922,9 +915,17 @@ mod tests {
 
     #[test]
     fn the_indexed_header_sources_are_the_named_ones() {
-        for (k, (name, label)) in HEADER_KNOWN.iter().zip(HEADER_SOURCES) {
-            assert_eq!(k.name(), name);
-            assert_eq!(label, format!("header:{name}"));
+        let names: Vec<&str> = HEADER_SOURCES.iter().map(|(k, _)| k.name()).collect();
+        assert_eq!(
+            names,
+            [
+                "x-litellm-session-id",
+                "x-claude-code-session-id",
+                "x-session-id"
+            ]
+        );
+        for (k, label) in HEADER_SOURCES {
+            assert_eq!(label, format!("header:{}", k.name()));
         }
     }
 
