@@ -1,5 +1,7 @@
 //! Request and response heads: parsing and body-framing decisions.
 
+use std::mem::MaybeUninit;
+
 use crate::limits::{
     REQUEST_HEADERS_MAX, REQUEST_HEAD_BYTES_MAX, RESPONSE_HEADERS_MAX, RESPONSE_HEAD_BYTES_MAX,
 };
@@ -523,9 +525,12 @@ fn transfer_encoding(headers: &Headers) -> Option<bool> {
 
 /// Parse a request head from the start of `buf`.
 pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
-    let mut storage = [httparse::EMPTY_HEADER; REQUEST_HEADERS_MAX];
-    let mut req = httparse::Request::new(&mut storage);
-    let status = match req.parse(buf) {
+    // Left uninitialised: httparse writes the headers it finds, and filling all 100 slots
+    // first would cost more than parsing a usual head.
+    let mut storage =
+        [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; REQUEST_HEADERS_MAX];
+    let mut req = httparse::Request::new(&mut []);
+    let status = match req.parse_with_uninit_headers(buf, &mut storage) {
         Ok(s) => s,
         Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooManyHeaders),
         Err(httparse::Error::Version) => {
@@ -636,9 +641,14 @@ pub fn parse_response(
     buf: &[u8],
     head_request: bool,
 ) -> Result<HeadParse<ResponseHead>, HeadError> {
-    let mut storage = [httparse::EMPTY_HEADER; RESPONSE_HEADERS_MAX];
-    let mut res = httparse::Response::new(&mut storage);
-    let status = match res.parse(buf) {
+    let mut storage =
+        [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; RESPONSE_HEADERS_MAX];
+    let mut res = httparse::Response::new(&mut []);
+    let status = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut res,
+        buf,
+        &mut storage,
+    ) {
         Ok(s) => s,
         Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooManyHeaders),
         Err(_) => return Err(HeadError::Malformed("malformed response head")),
