@@ -5,6 +5,7 @@
 //! likely to have been closed by the peer). A connection the peer closed while idle is
 //! found out on use; the caller retries once on a fresh connection.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -13,7 +14,7 @@ use monoio::net::TcpStream;
 pub struct UpstreamPool {
     /// Per peer address, idle connections oldest first. A short list scanned linearly:
     /// faster than hashing for the handful of peers a worker talks to.
-    idle: Vec<(SocketAddr, Vec<(TcpStream, Instant)>)>,
+    idle: Vec<(SocketAddr, VecDeque<(TcpStream, Instant)>)>,
     per_peer_max: usize,
     idle_timeout: Duration,
 }
@@ -34,7 +35,7 @@ impl UpstreamPool {
 
     pub fn take(&mut self, addr: SocketAddr, now: Instant) -> Option<TcpStream> {
         let list = &mut self.idle.iter_mut().find(|(a, _)| *a == addr)?.1;
-        while let Some((s, since)) = list.pop() {
+        while let Some((s, since)) = list.pop_back() {
             if now.duration_since(since) < self.idle_timeout {
                 return Some(s);
             }
@@ -49,15 +50,15 @@ impl UpstreamPool {
         let i = match self.idle.iter().position(|(a, _)| *a == addr) {
             Some(i) => i,
             None => {
-                self.idle.push((addr, Vec::new()));
+                self.idle.push((addr, VecDeque::new()));
                 self.idle.len() - 1
             }
         };
         let list = &mut self.idle[i].1;
         if list.len() >= self.per_peer_max {
-            list.remove(0);
+            list.pop_front();
         }
-        list.push((stream, now));
+        list.push_back((stream, now));
     }
 
     pub fn evict_expired(&mut self, now: Instant) {

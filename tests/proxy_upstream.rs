@@ -5,6 +5,7 @@ mod common;
 
 use std::io::{BufReader, Read, Write};
 use std::net::Shutdown;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -454,5 +455,100 @@ fn a_client_slow_to_read_is_not_an_idle_peer() {
         text.contains("[DONE]"),
         "the stream was cut: {:?}",
         &text[text.len().saturating_sub(200)..]
+    );
+}
+
+/// A backend that holds every response until `burst` requests are waiting at once, then
+/// answers them all: the router must have `burst` upstream connections open together.
+/// Counts the connections it accepted.
+fn gated_backend(burst: usize) -> (std::net::SocketAddr, std::sync::Arc<AtomicUsize>) {
+    use std::sync::{Arc, Condvar, Mutex};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    // Requests seen so far; a request is answered once its whole burst has arrived.
+    let gate = Arc::new((Mutex::new(0usize), Condvar::new()));
+    let acc = accepted.clone();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            acc.fetch_add(1, SeqCst);
+            let gate = gate.clone();
+            std::thread::spawn(move || {
+                let mut buf = Vec::new();
+                let mut tmp = [0u8; 4096];
+                loop {
+                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match s.read(&mut tmp) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&tmp[..n]),
+                        }
+                    }
+                    buf.clear();
+                    let (seen, cv) = &*gate;
+                    let mut n = seen.lock().unwrap();
+                    *n += 1;
+                    let release = (*n).div_ceil(burst) * burst;
+                    cv.notify_all();
+                    while *n < release {
+                        n = cv.wait(n).unwrap();
+                    }
+                    drop(n);
+                    if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+/// `bursts` rounds of `clients` concurrent GETs over the same client connections (so each
+/// lands on the same worker every round); returns the backend's accepted connections.
+fn bursts_through(server_extra: &str, clients: usize, bursts: usize) -> usize {
+    let (b, accepted) = gated_backend(clients);
+    let route = format!(
+        "peers = [ {{ host = \"127.0.0.1\", port = {}, max_concurrency = 10000 }} ]\n",
+        b.port()
+    );
+    let env = start(&[("r", route)], server_extra);
+    let conns: Vec<_> = (0..clients).map(|_| connect(env.public())).collect();
+    for round in 0..bursts {
+        let handles: Vec<_> = conns
+            .iter()
+            .map(|c| {
+                let mut c = c.try_clone().unwrap();
+                std::thread::spawn(move || {
+                    c.write_all(&get("/r/x")).unwrap();
+                    read_response(&mut BufReader::new(c), false).unwrap().status
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), 200, "round {round}");
+        }
+    }
+    accepted.load(SeqCst)
+}
+
+#[test]
+fn a_burst_wider_than_the_old_64_connection_pool_reuses_every_connection() {
+    // 200 requests at once over two workers: ~100 upstream connections each, more than
+    // the 64 idle connections per peer the pool used to keep.
+    let clients = 200;
+    assert_eq!(
+        bursts_through("", clients, 3),
+        clients,
+        "the second and third bursts run on the first burst's connections"
+    );
+    // Control: a pool smaller than the burst closes the surplus, and the next burst
+    // connects anew.
+    let small = bursts_through("upstream_idle_per_peer = 16\n", clients, 2);
+    assert!(
+        small >= clients + clients - 2 * 16,
+        "a 16-connection pool reconnects: {small} accepted"
     );
 }
