@@ -32,6 +32,12 @@ pub struct ClientConn {
     pub ip: String,
     /// The connection's one timer, moved to each wait's deadline (see [`until`]).
     pub timer: Timer,
+    /// When the last response was complete, if the request path took that time: the
+    /// idle wait for the next head counts from it instead of reading the clock again.
+    pub idle_since: Option<std::time::Instant>,
+    /// When `read_body` last had to wait for body bytes (`None`: the body came with the
+    /// head, and a request's start time stands for its body's too).
+    pub body_read_at: Option<std::time::Instant>,
 }
 
 /// A timer made once per connection and reset for each wait: a fresh timeout per read
@@ -121,7 +127,10 @@ impl ClientConn {
             let wait = if started {
                 *deadline.get_or_insert_with(|| Instant::now() + head_timeout)
             } else {
-                Instant::now() + idle
+                self.idle_since
+                    .take()
+                    .map_or_else(Instant::now, Instant::from_std)
+                    + idle
             };
             let fill = pin!(fill(&mut self.rd, &mut self.inbuf));
             let read = until(&mut self.timer, wait, fill);
@@ -151,8 +160,12 @@ impl ClientConn {
         read_timeout: Duration,
     ) -> Result<Bytes, ProxyError> {
         match head.body {
-            BodyFraming::None => Ok(Bytes::new()),
+            BodyFraming::None => {
+                self.body_read_at = None;
+                Ok(Bytes::new())
+            }
             BodyFraming::Length(n) => {
+                self.body_read_at = None;
                 if n > max_bytes {
                     return Err(ProxyError::BodyTooLarge { limit: max_bytes });
                 }
@@ -180,6 +193,7 @@ impl ClientConn {
                         Ok(0) | Err(_) => return Err(ProxyError::ClientGone),
                         Ok(_) => {}
                     }
+                    self.body_read_at = Some(std::time::Instant::now());
                 }
                 Ok(Bytes::from(body))
             }
@@ -207,6 +221,8 @@ impl ClientConn {
                             return Err(ProxyError::BodyTooLarge { limit: max_bytes });
                         }
                         if dec.is_done() {
+                            // Rare enough to take the time even when no read was needed.
+                            self.body_read_at = Some(std::time::Instant::now());
                             return Ok(Bytes::from(body));
                         }
                     }

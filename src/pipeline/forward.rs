@@ -140,9 +140,12 @@ pub struct Timeouts {
 }
 
 /// Send one request to `peer` and wait for its response head. A pooled connection that
-/// turns out closed before any response byte is replaced by a fresh one, once.
+/// turns out closed before any response byte is replaced by a fresh one, once. `now`: a
+/// current time, to tell the pool's expired connections (the caller's latest).
+#[allow(clippy::too_many_arguments)]
 pub async fn exchange(
     pool: &std::cell::RefCell<UpstreamPool>,
+    now: Instant,
     peer: &PeerRt,
     req: Vec<u8>,
     body: Option<Bytes>,
@@ -151,7 +154,7 @@ pub async fn exchange(
     watch: &mut ClientWatch<'_>,
 ) -> Result<Exchanged, ExchangeError> {
     let head_request = t.head_request;
-    let pooled = pool.borrow_mut().take(peer.addr, Instant::now());
+    let pooled = pool.borrow_mut().take(peer.addr, now);
     let mut reused = pooled.is_some();
     let mut buf = buf;
     let mut req = req;

@@ -98,6 +98,8 @@ pub async fn serve_client(ctx: Rc<WorkerCtx>, stream: TcpStream, addr: SocketAdd
         addr,
         ip: addr.ip().to_string(),
         timer: client::new_timer(),
+        idle_since: None,
+        body_read_at: None,
     };
     loop {
         let (idle, head_timeout) = {
@@ -317,7 +319,7 @@ async fn proxy(
     entry: Entry<'_>,
 ) -> bool {
     let started = Instant::now();
-    let start_ms = warmroute_shm::now_ms();
+    let start_ms = ctx.wall.ms_at(started);
     let keep_client = head.keep_alive && !ctx.drain.is_fired();
     let seg = &*ctx.shared.seg;
 
@@ -342,7 +344,8 @@ async fn proxy(
     let opts = &route.cfg.opts;
     let rcell = |i: usize| seg.route_cell(route.slot, i);
     rcell(cells::route::REQUESTS).fetch_add(1, Relaxed);
-    let body_read_at = Instant::now();
+    // The body came with the head unless reading it had to wait.
+    let body_read_at = conn.body_read_at.unwrap_or(started);
     let model = p.fields.as_ref().and_then(|f| f.model.as_deref());
     let upstream_path =
         crate::bytescan::split_once_ascii(&p.target, b'?').map_or(&*p.target, |(p, _)| p);
@@ -411,12 +414,7 @@ async fn proxy(
     //    GET /v1/models is exempt from the load gates, being the backends' own health
     //    probe. With the rate-limit master switch off the gates still measure and count
     //    their trips, but let the request through.
-    // The request's start time unless reading the body took a while.
-    let now_ms = if body_read_at.duration_since(started) < Duration::from_millis(1) {
-        start_ms
-    } else {
-        warmroute_shm::now_ms()
-    };
+    let now_ms = ctx.wall.ms_at(body_read_at);
     let now_s = now_ms / 1000;
     let loads = pool.loads(seg, now_ms);
     let Some(mut fig) = admission::figures(&loads, opts.rt_limit_factor) else {
@@ -602,8 +600,15 @@ async fn proxy(
                 authorization.as_deref(),
             );
             let big_body = (!inline).then(|| upstream_body.clone());
+            // The body's arrival is a current time for the first attempt.
+            let now = if retries == 0 {
+                body_read_at
+            } else {
+                Instant::now()
+            };
             let res = forward::exchange(
                 &ctx.upstreams,
+                now,
                 peer,
                 req,
                 big_body,
@@ -830,7 +835,10 @@ async fn proxy(
                     // TTFT (streams) and decode rate, always measured: into the route's
                     // histogram and the pool's window, which feeds the EWMA.
                     let first = stats.first_body_at;
-                    let end_s = warmroute_shm::now_ms() / 1000;
+                    let end = Instant::now();
+                    // The next head's idle wait counts from here too.
+                    conn.idle_since = Some(end);
+                    let end_s = ctx.wall.ms_at(end) / 1000;
                     if let (true, Some(f)) = (sse, first) {
                         let ms = f.duration_since(body_read_at).as_secs_f64() * 1000.0;
                         latency::record_sample(
@@ -847,7 +855,7 @@ async fn proxy(
                     let tokens = stats.usage.and_then(|u| u.completion_tokens).unwrap_or(0);
                     let secs = match (sse, first, stats.last_body_at) {
                         (true, Some(f), Some(l)) => l.duration_since(f).as_secs_f64(),
-                        _ => started.elapsed().as_secs_f64(),
+                        _ => end.duration_since(started).as_secs_f64(),
                     };
                     if let Some(rate) = crate::measure::decode_rate(
                         tokens,

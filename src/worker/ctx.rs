@@ -44,6 +44,49 @@ pub struct WorkerCtx {
     heads: Spares,
     /// This worker's body-log sender, when a listener is configured (fixed at start).
     pub bodylog: Option<Rc<crate::bodylog::sender::Sender>>,
+    /// Wall-clock milliseconds for the monotonic times a request already took.
+    pub wall: WallClock,
+}
+
+/// Wall-clock milliseconds (`warmroute_shm::now_ms`'s clock) for a monotonic `Instant` the
+/// caller already has, without a second clock read per request: the wall time is read
+/// once, with the `Instant` it goes with, and later times are that plus the monotonic
+/// time since. Read again once the anchor is [`WALL_ANCHOR_MAX`] old (or the `Instant`
+/// precedes it), so a stepped or slewed wall clock is followed within that long.
+#[derive(Default)]
+pub struct WallClock {
+    anchor: Cell<Option<(std::time::Instant, u64)>>,
+}
+
+/// How old a [`WallClock`] anchor may get before the wall clock is read again.
+pub const WALL_ANCHOR_MAX: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl WallClock {
+    /// Wall-clock milliseconds at `at`.
+    pub fn ms_at(&self, at: std::time::Instant) -> u64 {
+        self.ms_at_with(at, || (std::time::Instant::now(), warmroute_shm::now_ms()))
+    }
+
+    /// [`Self::ms_at`], reading both clocks through `now` when the anchor is missing or
+    /// more than [`WALL_ANCHOR_MAX`] older than `at`.
+    fn ms_at_with(
+        &self,
+        at: std::time::Instant,
+        now: impl FnOnce() -> (std::time::Instant, u64),
+    ) -> u64 {
+        let (t, ms) = match self.anchor.get() {
+            Some((t, ms)) if at.saturating_duration_since(t) < WALL_ANCHOR_MAX => (t, ms),
+            _ => {
+                let fresh = now();
+                self.anchor.set(Some(fresh));
+                fresh
+            }
+        };
+        match at.checked_duration_since(t) {
+            Some(d) => ms + d.as_millis() as u64,
+            None => ms.saturating_sub(t.duration_since(at).as_millis() as u64),
+        }
+    }
 }
 
 /// Spare buffers of each kind kept per worker.
@@ -140,6 +183,7 @@ impl WorkerCtx {
             tails: Spares::new(crate::pipeline::relay::TAIL_BYTES),
             heads: Spares::new(HEAD_BUF_BYTES),
             bodylog,
+            wall: WallClock::default(),
         }
     }
 
@@ -301,5 +345,40 @@ mod tests {
             s.put(Vec::with_capacity(1024));
         }
         assert_eq!(s.len(), SPARE_BUFS_MAX);
+    }
+
+    #[test]
+    fn wall_clock_reads_the_wall_once_per_anchor_and_follows_the_monotonic_time() {
+        use std::time::{Duration, Instant};
+        let w = WallClock::default();
+        let t0 = Instant::now();
+        let reads = Cell::new(0);
+        let now = |t: Instant, ms: u64| {
+            reads.set(reads.get() + 1);
+            (t, ms)
+        };
+        // The first time anchors.
+        assert_eq!(w.ms_at_with(t0, || now(t0, 1_000_000)), 1_000_000);
+        // Within the anchor's second: no read, the monotonic time since added.
+        let t1 = t0 + Duration::from_millis(250);
+        assert_eq!(w.ms_at_with(t1, || now(t1, 0)), 1_000_250);
+        // An earlier time than the anchor: counted back, no read.
+        assert_eq!(w.ms_at_with(t0, || now(t0, 0)), 1_000_000);
+        assert_eq!(reads.get(), 1);
+        // A second on: the wall clock is read again, and a step in it is followed.
+        let t2 = t0 + WALL_ANCHOR_MAX;
+        assert_eq!(w.ms_at_with(t2, || now(t2, 5_000_000)), 5_000_000);
+        assert_eq!(reads.get(), 2);
+        let t3 = t2 + Duration::from_millis(10);
+        assert_eq!(w.ms_at_with(t3, || now(t3, 0)), 5_000_010);
+        // An anchor read after `at` (a time the caller took earlier) counts back to it.
+        let w = WallClock::default();
+        let late = t0 + Duration::from_millis(3);
+        assert_eq!(w.ms_at_with(t0, || (late, 2_000_003)), 2_000_000);
+        // The real clocks agree with warmroute_shm::now_ms to within a few milliseconds.
+        let w = WallClock::default();
+        let a = w.ms_at(Instant::now());
+        let b = warmroute_shm::now_ms();
+        assert!(b.abs_diff(a) < 50, "{a} vs {b}");
     }
 }
