@@ -47,16 +47,21 @@ pub struct PoolRt {
 impl PoolRt {
     /// Each peer's load and health as selection sees it, read from the segment.
     pub fn loads(&self, seg: &Segment, now_ms: u64) -> Vec<Load> {
-        self.peers
-            .iter()
-            .map(|p| Load {
-                inflight: seg.inflight(p.slot),
-                max_concurrency: p.max_concurrency,
-                healthy: !seg.is_banned(p.slot, now_ms),
-                priority: p.priority,
-                key_hash: p.key_hash,
-            })
-            .collect()
+        let mut v = Vec::with_capacity(self.peers.len());
+        self.loads_into(seg, now_ms, &mut v);
+        v
+    }
+
+    /// [`Self::loads`] into `out` (cleared first), reusing its allocation.
+    pub fn loads_into(&self, seg: &Segment, now_ms: u64, out: &mut Vec<Load>) {
+        out.clear();
+        out.extend(self.peers.iter().map(|p| Load {
+            inflight: seg.inflight(p.slot),
+            max_concurrency: p.max_concurrency,
+            healthy: !seg.is_banned(p.slot, now_ms),
+            priority: p.priority,
+            key_hash: p.key_hash,
+        }));
     }
 
     /// Under `sticky_table` and with a session id: the session's key in the segment's

@@ -66,16 +66,19 @@ pub fn usage_from_slice(bytes: &[u8]) -> Option<Usage> {
 /// The usage of a non-streaming JSON response, from the last `"usage"` object in its tail.
 pub fn usage_in_json_tail(tail: &[u8]) -> Option<Usage> {
     const KEY: &[u8] = b"\"usage\"";
-    // Backwards from quote to quote: cheaper than comparing a window at every byte.
+    // Backwards from `g` to `g`: the usage object's own keys hold none, so the first `g`
+    // from the end is usually the key's, one search away (a quote-to-quote walk stops at
+    // every key of the usage object first).
     let mut end = tail.len();
     let at = loop {
-        let q = rfind(&tail[..end], b'"')?;
-        if tail[q..].starts_with(KEY) {
-            break q;
+        let g = rfind(&tail[..end], b'g')?;
+        if g >= 4 && tail[g - 4..].starts_with(KEY) {
+            break g - 4;
         }
-        end = q;
+        end = g;
     };
-    let open = at + tail[at..].iter().position(|&b| b == b'{')?;
+    let after = at + KEY.len();
+    let open = after + tail[after..].iter().position(|&b| b == b'{')?;
     usage_from_slice(&tail[open..])
 }
 
@@ -330,6 +333,12 @@ mod tests {
         // The tail of a response: from the last "usage" key's object.
         assert_eq!(usage_in_json_tail(&body[30..]), Some(want));
         assert_eq!(usage_in_json_tail(br#"{"id":"x"}"#), None);
+        // `g`s after the key (in the usage object, or in a value) are stepped over; a
+        // "usage" that is not a key-shaped string is not taken for one.
+        let gs = br#"{"usage":{"prompt_tokens":7,"tag":"gg\"usage\"g"},"log":"g"}"#;
+        assert_eq!(usage_in_json_tail(gs).and_then(|u| u.prompt_tokens), Some(7));
+        assert_eq!(usage_in_json_tail(br#"{"a":"usage"}"#), None);
+        assert_eq!(usage_in_json_tail(b"g\"usage\""), None);
         assert_eq!(usage_in_json_tail(br#"{"usage":{"prompt_tok"#), None);
         assert_eq!(usage_from_slice(b"not json"), None);
         assert_eq!(

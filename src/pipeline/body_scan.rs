@@ -525,7 +525,7 @@ mod tests {
         assert_eq!((f.stream, f.include_usage), (true, Some(true)));
         let f = fast(bodies[12].as_bytes()).unwrap();
         assert_eq!(
-            (f.model.as_deref(), f.metadata_session_id),
+            (f.model.as_deref(), f.metadata_session_id.clone()),
             (Some("b"), None)
         );
     }

@@ -155,10 +155,18 @@ async fn handle_request(
     kind: PortKind,
 ) -> bool {
     let snap = ctx.snapshot();
-    let d = dispatch::resolve(head.target(), |n| snap.route(n).is_some());
+    // The route `resolve` asks about is kept: one lookup by name per request.
+    let found = std::cell::Cell::new(None);
+    let d = dispatch::resolve(head.target(), |n| {
+        found.set(snap.route(n));
+        found.get().is_some()
+    });
     match (kind, d) {
         (PortKind::Public, Dispatch::Proxy { route, target }) => {
-            let route = snap.route(route).expect("dispatch only names known routes");
+            let route = found
+                .get()
+                .or_else(|| snap.route(route))
+                .expect("dispatch only names known routes");
             proxy(ctx, conn, &head, &snap, Entry::Route(route, target)).await
         }
         (PortKind::Public, Dispatch::Bare { target }) => {
@@ -319,7 +327,6 @@ async fn proxy(
     entry: Entry<'_>,
 ) -> bool {
     let started = Instant::now();
-    let start_ms = ctx.wall.ms_at(started);
     let keep_client = head.keep_alive && !ctx.drain.is_fired();
     let seg = &*ctx.shared.seg;
 
@@ -416,7 +423,8 @@ async fn proxy(
     //    their trips, but let the request through.
     let now_ms = ctx.wall.ms_at(body_read_at);
     let now_s = now_ms / 1000;
-    let loads = pool.loads(seg, now_ms);
+    let mut loads = ctx.loads();
+    pool.loads_into(seg, now_ms, &mut loads);
     let Some(mut fig) = admission::figures(&loads, opts.rt_limit_factor) else {
         rcell(cells::route::UNAVAILABLE).fetch_add(1, Relaxed);
         return refuse(
@@ -838,7 +846,8 @@ async fn proxy(
                     let end = Instant::now();
                     // The next head's idle wait counts from here too.
                     conn.idle_since = Some(end);
-                    let end_s = ctx.wall.ms_at(end) / 1000;
+                    // Worked out only for a sample to record (most JSON responses have none).
+                    let end_s = || ctx.wall.ms_at(end) / 1000;
                     if let (true, Some(f)) = (sse, first) {
                         let ms = f.duration_since(body_read_at).as_secs_f64() * 1000.0;
                         latency::record_sample(
@@ -849,7 +858,7 @@ async fn proxy(
                             routed.peer.slot,
                             Signal::Ttft,
                             ms,
-                            end_s,
+                            end_s(),
                         );
                     }
                     let tokens = stats.usage.and_then(|u| u.completion_tokens).unwrap_or(0);
@@ -871,13 +880,13 @@ async fn proxy(
                             routed.peer.slot,
                             Signal::Tps,
                             rate,
-                            end_s,
+                            end_s(),
                         );
                     }
                 }
                 if let Some(capture) = stats.capture.take() {
                     let entry = BodylogEntry {
-                        start_ms,
+                        start_ms: ctx.wall.ms_at(started),
                         started,
                         head,
                         route,

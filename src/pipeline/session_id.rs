@@ -104,6 +104,68 @@ pub struct BodyFields {
     pub user: Option<String>,
 }
 
+thread_local! {
+    /// Strings of dropped [`BodyFields`], for the next body this thread parses: the model
+    /// and the session id of every request would otherwise cost an allocation each.
+    static SPARE_STRINGS: std::cell::RefCell<Vec<String>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Spare strings kept per thread, and the largest capacity kept.
+const SPARE_STRINGS_MAX: usize = 64;
+const SPARE_STRING_BYTES_MAX: usize = 256;
+
+/// `s` in a string of this thread's spares when one is large enough, else a new one.
+fn pooled(s: &str) -> String {
+    let spare = SPARE_STRINGS
+        .try_with(|l| {
+            let mut l = l.try_borrow_mut().ok()?;
+            l.last().is_some_and(|b| b.capacity() >= s.len()).then(|| l.pop()).flatten()
+        })
+        .ok()
+        .flatten();
+    match spare {
+        Some(mut b) => {
+            b.push_str(s);
+            b
+        }
+        None => {
+            // Room for the usual model name or session id (a UUID is 36 bytes), so a spare
+            // fits the next request's whichever it is.
+            let mut b = String::with_capacity(s.len().max(48));
+            b.push_str(s);
+            b
+        }
+    }
+}
+
+impl Drop for BodyFields {
+    fn drop(&mut self) {
+        let strings = [
+            self.model.take(),
+            self.metadata_session_id.take(),
+            self.litellm_metadata_session_id.take(),
+            self.user_id_session_id.take(),
+            self.user_id.take(),
+            self.user.take(),
+        ];
+        // During thread exit the list may be gone: then the strings are simply freed.
+        let _ = SPARE_STRINGS.try_with(|l| {
+            let Ok(mut l) = l.try_borrow_mut() else {
+                return;
+            };
+            for mut b in strings.into_iter().flatten() {
+                if l.len() < SPARE_STRINGS_MAX
+                    && (1..=SPARE_STRING_BYTES_MAX).contains(&b.capacity())
+                {
+                    b.clear();
+                    l.push(b);
+                }
+            }
+        });
+    }
+}
+
 /// Parse the fields the router needs in one pass. `None` when the body is not a JSON
 /// object (not JSON at all, an array, a scalar, empty, truncated, trailing garbage).
 /// A key sent twice counts by its last occurrence, as a tree parser would read it.
@@ -287,7 +349,7 @@ impl<O> Json<'_, O> {
     /// The value as a session id: a non-blank string or a number.
     fn usable_id(self) -> Option<String> {
         match self {
-            Json::Str(s) if !is_blank(&s) => Some(s.into_owned()),
+            Json::Str(s) if !is_blank(&s) => Some(pooled(&s)),
             Json::Num(n) => Some(n),
             _ => None,
         }
@@ -496,7 +558,7 @@ impl TopObj<'_> {
         let (user_id_session_id, user_id) = user_id_field.map_or((None, None), reduce_user_id);
         BodyFields {
             model: match self.model {
-                Some(Json::Str(s)) => Some(s.into_owned()),
+                Some(Json::Str(s)) => Some(pooled(&s)),
                 _ => None,
             },
             stream: matches!(self.stream, Some(Json::Bool(true))),
@@ -529,6 +591,40 @@ mod tests {
             crate::http::HeadParse::Complete(h, _) => h.headers,
             _ => unreachable!(),
         }
+    }
+
+    #[test]
+    fn dropped_fields_lend_their_strings_to_the_next_body() {
+        // Each test runs on its own thread: the spare list starts empty.
+        let a = parse_body(br#"{"model":"m-long-name","metadata":{"session_id":"s-1"}}"#)
+            .unwrap();
+        let ptrs = [
+            a.model.as_ref().unwrap().as_ptr(),
+            a.metadata_session_id.as_ref().unwrap().as_ptr(),
+        ];
+        drop(a);
+        let b = parse_body(br#"{"model":"m2","metadata":{"session_id":"s-22"}}"#).unwrap();
+        // The same buffers, holding only the new values.
+        assert_eq!(b.model.as_deref(), Some("m2"));
+        assert_eq!(b.metadata_session_id.as_deref(), Some("s-22"));
+        let mut reused = [
+            b.model.as_ref().unwrap().as_ptr(),
+            b.metadata_session_id.as_ref().unwrap().as_ptr(),
+        ];
+        reused.sort();
+        let mut ptrs = ptrs;
+        ptrs.sort();
+        assert_eq!(reused, ptrs);
+        drop(b);
+        // A string larger than the bound is freed, not kept; the list is bounded.
+        let big = format!(r#"{{"model":"{}"}}"#, "x".repeat(SPARE_STRING_BYTES_MAX + 1));
+        drop(parse_body(big.as_bytes()).unwrap());
+        let kept = SPARE_STRINGS.with(|l| l.borrow().iter().map(String::capacity).max());
+        assert!(kept.is_some_and(|c| c <= SPARE_STRING_BYTES_MAX));
+        for _ in 0..2 * SPARE_STRINGS_MAX {
+            drop(body(r#"{"model":"m","user":"u"}"#).clone());
+        }
+        assert!(SPARE_STRINGS.with(|l| l.borrow().len()) <= SPARE_STRINGS_MAX);
     }
 
     fn hdrs(list: &[(&str, &str)]) -> Headers {
@@ -882,7 +978,7 @@ mod tests {
         assert!(b.stream);
         assert_eq!(b.include_usage, Some(false));
         let b = body(r#"{"model":7,"stream":"true","stream_options":{"include_usage":1}}"#);
-        assert_eq!((b.model, b.stream, b.include_usage), (None, false, None));
+        assert_eq!((b.model.clone(), b.stream, b.include_usage), (None, false, None));
         let b = body(r#"{"stream":1,"stream_options":true}"#);
         assert_eq!((b.stream, b.include_usage), (false, None));
         assert!(b.has_stream_options);

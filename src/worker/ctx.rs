@@ -42,10 +42,43 @@ pub struct WorkerCtx {
     tails: Spares,
     /// Spare head buffers: the request for the peer and the response head for the client.
     heads: Spares,
+    /// Spare per-request peer-load lists (see [`WorkerCtx::loads`]).
+    loads: RefCell<Vec<Vec<crate::pipeline::peer_select::Load>>>,
     /// This worker's body-log sender, when a listener is configured (fixed at start).
     pub bodylog: Option<Rc<crate::bodylog::sender::Sender>>,
     /// Wall-clock milliseconds for the monotonic times a request already took.
     pub wall: WallClock,
+}
+
+/// A request's peer-load list, lent by [`WorkerCtx::loads`].
+pub struct SpareLoads<'a> {
+    ctx: &'a WorkerCtx,
+    v: Vec<crate::pipeline::peer_select::Load>,
+}
+
+impl std::ops::Deref for SpareLoads<'_> {
+    type Target = Vec<crate::pipeline::peer_select::Load>;
+    fn deref(&self) -> &Self::Target {
+        &self.v
+    }
+}
+
+impl std::ops::DerefMut for SpareLoads<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.v
+    }
+}
+
+impl Drop for SpareLoads<'_> {
+    fn drop(&mut self) {
+        let mut list = self.ctx.loads.borrow_mut();
+        // A list sized for a very large pool is not kept.
+        if list.len() < SPARE_BUFS_MAX && self.v.capacity() <= 64 {
+            let mut v = std::mem::take(&mut self.v);
+            v.clear();
+            list.push(v);
+        }
+    }
 }
 
 /// Wall-clock milliseconds (`warmroute_shm::now_ms`'s clock) for a monotonic `Instant` the
@@ -184,6 +217,7 @@ impl WorkerCtx {
             heads: Spares::new(HEAD_BUF_BYTES),
             bodylog,
             wall: WallClock::default(),
+            loads: RefCell::new(Vec::new()),
         }
     }
 
@@ -233,6 +267,13 @@ impl WorkerCtx {
 
     pub fn put_tail(&self, t: crate::pipeline::relay::Tail) {
         self.tails.put(t.into_buf())
+    }
+
+    /// An empty list for a request's peer loads, handed back to the worker when dropped
+    /// (at most `SPARE_BUFS_MAX` kept): a request does not allocate one.
+    pub fn loads(&self) -> SpareLoads<'_> {
+        let v = self.loads.borrow_mut().pop().unwrap_or_default();
+        SpareLoads { ctx: self, v }
     }
 
     /// xorshift64*: cheap randomness for tie-breaks, no syscalls, no locks.
