@@ -336,7 +336,10 @@ mod tests {
         // `g`s after the key (in the usage object, or in a value) are stepped over; a
         // "usage" that is not a key-shaped string is not taken for one.
         let gs = br#"{"usage":{"prompt_tokens":7,"tag":"gg\"usage\"g"},"log":"g"}"#;
-        assert_eq!(usage_in_json_tail(gs).and_then(|u| u.prompt_tokens), Some(7));
+        assert_eq!(
+            usage_in_json_tail(gs).and_then(|u| u.prompt_tokens),
+            Some(7)
+        );
         assert_eq!(usage_in_json_tail(br#"{"a":"usage"}"#), None);
         assert_eq!(usage_in_json_tail(b"g\"usage\""), None);
         assert_eq!(usage_in_json_tail(br#"{"usage":{"prompt_tok"#), None);

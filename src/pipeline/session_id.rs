@@ -120,7 +120,10 @@ fn pooled(s: &str) -> String {
     let spare = SPARE_STRINGS
         .try_with(|l| {
             let mut l = l.try_borrow_mut().ok()?;
-            l.last().is_some_and(|b| b.capacity() >= s.len()).then(|| l.pop()).flatten()
+            l.last()
+                .is_some_and(|b| b.capacity() >= s.len())
+                .then(|| l.pop())
+                .flatten()
         })
         .ok()
         .flatten();
@@ -596,8 +599,7 @@ mod tests {
     #[test]
     fn dropped_fields_lend_their_strings_to_the_next_body() {
         // Each test runs on its own thread: the spare list starts empty.
-        let a = parse_body(br#"{"model":"m-long-name","metadata":{"session_id":"s-1"}}"#)
-            .unwrap();
+        let a = parse_body(br#"{"model":"m-long-name","metadata":{"session_id":"s-1"}}"#).unwrap();
         let ptrs = [
             a.model.as_ref().unwrap().as_ptr(),
             a.metadata_session_id.as_ref().unwrap().as_ptr(),
@@ -617,7 +619,10 @@ mod tests {
         assert_eq!(reused, ptrs);
         drop(b);
         // A string larger than the bound is freed, not kept; the list is bounded.
-        let big = format!(r#"{{"model":"{}"}}"#, "x".repeat(SPARE_STRING_BYTES_MAX + 1));
+        let big = format!(
+            r#"{{"model":"{}"}}"#,
+            "x".repeat(SPARE_STRING_BYTES_MAX + 1)
+        );
         drop(parse_body(big.as_bytes()).unwrap());
         let kept = SPARE_STRINGS.with(|l| l.borrow().iter().map(String::capacity).max());
         assert!(kept.is_some_and(|c| c <= SPARE_STRING_BYTES_MAX));
@@ -978,7 +983,10 @@ mod tests {
         assert!(b.stream);
         assert_eq!(b.include_usage, Some(false));
         let b = body(r#"{"model":7,"stream":"true","stream_options":{"include_usage":1}}"#);
-        assert_eq!((b.model.clone(), b.stream, b.include_usage), (None, false, None));
+        assert_eq!(
+            (b.model.clone(), b.stream, b.include_usage),
+            (None, false, None)
+        );
         let b = body(r#"{"stream":1,"stream_options":true}"#);
         assert_eq!((b.stream, b.include_usage), (false, None));
         assert!(b.has_stream_options);
