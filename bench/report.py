@@ -158,7 +158,7 @@ def build_summary(runs, proxy_cpu=None):
     Throughput figures come from the round with the highest req/s (the least disturbed by
     the rest of the machine); every round's req/s is kept alongside.
     """
-    best, rounds, lat = {}, {}, {}
+    best, rounds, lat, lat_local = {}, {}, {}, {}
     for r in runs:
         key = (r["case"], r["party"])
         if r["kind"] == "throughput":
@@ -167,6 +167,8 @@ def build_summary(runs, proxy_cpu=None):
                 best[key] = r
         elif r["kind"] == "latency":
             lat[key] = r
+        elif r["kind"] == "latency-local":
+            lat_local[key] = r
     direct_of = {"pinned": "direct", "shared": "direct-shared"}
     cases = []
     for case in ("json", "stream"):
@@ -181,6 +183,9 @@ def build_summary(runs, proxy_cpu=None):
         for p in parties:
             t = best[(case, p)]
             lat1 = lat.get((case, p))
+            # Pinned proxies only: the -c1 run with the proxy moved onto the load core, against
+            # the direct backend's -c1 (which runs on that core anyway).
+            loc1 = lat_local.get((case, p))
             dname = direct_of.get(t["group"])
             direct = best.get((case, dname)) if dname and dname != p else None
             direct_lat = lat.get((case, dname)) if dname and dname != p else None
@@ -198,6 +203,9 @@ def build_summary(runs, proxy_cpu=None):
                 "added_p50_us": (t["latency_us"]["p50"] - direct["latency_us"]["p50"]) if direct else None,
                 "added_c1_p50_us": (lat1["latency_us"]["p50"] - direct_lat["latency_us"]["p50"])
                 if lat1 and direct_lat else None,
+                "c1_local_p50_us": loc1["latency_us"]["p50"] if loc1 else None,
+                "added_c1_local_p50_us": (loc1["latency_us"]["p50"] - direct_lat["latency_us"]["p50"])
+                if loc1 and direct_lat else None,
                 "cpu_busy_pct": t["cpu_busy_pct"],
                 # The pinned proxy's CPU per request on its own core: what a request costs the
                 # proxy whatever caps the throughput (the load core is often the limit).
@@ -285,6 +293,7 @@ def targets(c):
             "rps_vs_nginx": ratio(w["rps"], n["rps"]) if n else None,
             "rps_vs_vllm_router": ratio(w["rps"], v["rps"]) if v else None,
             "added_c1_p50_us": w["added_c1_p50_us"],
+            "added_c1_local_p50_us": w.get("added_c1_local_p50_us"),
         })
     return out
 
@@ -379,15 +388,17 @@ def render_md(args, data):
         add(f"### {case_titles[c['case']]}")
         add("")
         add(f"| party | placement | req/s (c{s['conns']}) | rounds (k req/s) | p50 ms | p99 ms | "
-            "+p50 vs direct | p50 ms (c1) | p99 ms (c1) | +p50 vs direct (c1) | cpu0 / cpu1 busy % | "
+            "+p50 vs direct | p50 ms (c1) | p99 ms (c1) | +p50 vs direct (c1) | "
+            "p50 ms (c1, one core) | +p50 vs direct (c1, one core) | cpu0 / cpu1 busy % | "
             "proxy CPU µs/req | errors / non-2xx |")
-        add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+        add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
         for r in c["rows"]:
             rr = " / ".join(f"{v / 1000:.1f}" for v in r["rps_rounds"])
             floor = " ⚠" if r["c1_p50_us"] is not None and r["c1_p50_us"] >= FLOOR_US else ""
             add(f"| {r['party']} | {GROUP_TITLES.get(r['group'], r['group'])} | {r['rps']:,.0f} | {rr} | "
                 f"{ms(r['p50_us'])} | {ms(r['p99_us'])} | {plus_ms(r['added_p50_us'])} | "
                 f"{ms(r['c1_p50_us'])}{floor} | {ms(r['c1_p99_us'])} | {plus_ms(r['added_c1_p50_us'])} | "
+                f"{ms(r.get('c1_local_p50_us'))} | {plus_ms(r.get('added_c1_local_p50_us'))} | "
                 f"{busy(r['cpu_busy_pct'])} | {us1(r.get('proxy_cpu_us'))} | {r['errors']} / {r['non2xx']} |")
         add("")
         floors = [r["party"] for r in c["rows"] if r["c1_p50_us"] is not None and r["c1_p50_us"] >= FLOOR_US]
@@ -410,14 +421,23 @@ def render_md(args, data):
     add("")
     add("| case | placement | req/s vs haproxy (≥ 1.20×) | same, median of paired rounds | "
         "p99 vs haproxy (≤ 1.00×) | req/s vs nginx (≥ 1.00×) | "
-        "req/s vs vllm-router (≥ 4×) | +p50 vs direct, c1 (≤ 100 µs) | proxy CPU per request vs haproxy |")
-    add("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        "req/s vs vllm-router (≥ 4×) | +p50 vs direct, c1 (≤ 100 µs) | same, c1 on one core (≤ 100 µs) | "
+        "proxy CPU per request vs haproxy |")
+    add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for t in data["targets"]:
         add(f"| {t['case']} | {t['group']} | {mark(t['rps_vs_haproxy'], lambda v: v >= 1.2)} | "
             f"{mark(t.get('rps_vs_haproxy_paired'), lambda v: v >= 1.2)} | "
             f"{mark(t['p99_vs_haproxy'], lambda v: v <= 1.0)} | {mark(t['rps_vs_nginx'], lambda v: v >= 1.0)} | "
             f"{mark(t['rps_vs_vllm_router'], lambda v: v >= 4.0)} | "
-            f"{mark(t['added_c1_p50_us'], lambda v: v <= 100, '{:+.0f} µs')} | {x(t.get('cpu_vs_haproxy'))} |")
+            f"{mark(t['added_c1_p50_us'], lambda v: v <= 100, '{:+.0f} µs')} | "
+            f"{mark(t.get('added_c1_local_p50_us'), lambda v: v <= 100, '{:+.0f} µs')} | "
+            f"{x(t.get('cpu_vs_haproxy'))} |")
+    add("")
+    add("The c1 columns: with one connection every hop of the pinned placement (wrk → proxy → "
+        "backend → proxy → wrk) wakes a process on the other core; *one core* repeats the run with "
+        "the pinned proxy moved onto the load core (`taskset -apc`), where the added latency is the "
+        "proxy's own work and not the machine's cross-core wake-up time (the shared rows have no "
+        "such run).")
     add("")
     if data.get("threads"):
         add("Processes / threads after the load (`/proc/PID/status`, the process and its children) "

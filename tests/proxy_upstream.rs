@@ -463,7 +463,13 @@ fn a_client_slow_to_read_is_not_an_idle_peer() {
 /// Counts the connections it accepted.
 fn gated_backend(burst: usize) -> (std::net::SocketAddr, std::sync::Arc<AtomicUsize>) {
     use std::sync::{Arc, Condvar, Mutex};
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    // A backlog for the whole burst: the router opens its connections all at once, and
+    // std's default (128) would drop some SYNs while this thread is busy spawning.
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    sock.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .unwrap();
+    sock.listen(4096).unwrap();
+    let l: std::net::TcpListener = sock.into();
     let addr = l.local_addr().unwrap();
     let accepted = Arc::new(AtomicUsize::new(0));
     // Requests seen so far; a request is answered once its whole burst has arrived.
@@ -511,7 +517,8 @@ fn gated_backend(burst: usize) -> (std::net::SocketAddr, std::sync::Arc<AtomicUs
 fn bursts_through(server_extra: &str, clients: usize, bursts: usize) -> usize {
     let (b, accepted) = gated_backend(clients);
     let route = format!(
-        "peers = [ {{ host = \"127.0.0.1\", port = {}, max_concurrency = 10000 }} ]\n",
+        "peers = [ {{ host = \"127.0.0.1\", port = {}, max_concurrency = 10000 }} ]\n\
+         connect_timeout_ms = 15000\n",
         b.port()
     );
     let env = start(&[("r", route)], server_extra);

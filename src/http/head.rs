@@ -282,6 +282,12 @@ impl Headers {
         }
     }
 
+    /// Whether any of `ks` is present: one test of the index, nothing compared.
+    pub fn any_known(&self, ks: &[Known]) -> bool {
+        let mask = ks.iter().fold(0u16, |m, k| m | k.bit());
+        self.present & mask != 0
+    }
+
     /// First value of a known header: no name is compared.
     pub fn get_known(&self, k: Known) -> Option<&[u8]> {
         if self.present & k.bit() == 0 {

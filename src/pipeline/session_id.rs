@@ -273,6 +273,19 @@ fn is_blank(s: &str) -> bool {
 
 /// The first non-blank value of the first header source that has one.
 fn header_id(headers: &Headers) -> Option<(Cow<'_, str>, Source)> {
+    // Most requests carry none of them: one test of the head's index.
+    const KNOWN: [Known; HEADER_SOURCES.len()] = {
+        let mut ks = [Known::X_SESSION_ID; HEADER_SOURCES.len()];
+        let mut i = 0;
+        while i < ks.len() {
+            ks[i] = HEADER_SOURCES[i].0;
+            i += 1;
+        }
+        ks
+    };
+    if !headers.any_known(&KNOWN) {
+        return None;
+    }
     HEADER_SOURCES.iter().find_map(|&(k, _)| {
         headers
             .all_known(k)
