@@ -824,10 +824,23 @@ fn structural(
 /// Cheap pre-check: some `"usage"` key whose value is an object. A literal-prefixed regex,
 /// so the search runs at memchr speed over event data and stream tails. (Measured against a
 /// hand-written quote-to-quote scan and a `str::contains` pre-check: no cheaper per event.)
+/// Whether `data` holds `"usage"`, JSON whitespace, `:`, whitespace, `{` somewhere (a usage
+/// object, as far as bytes tell). Runs on every SSE event the usage filter sees.
 fn has_usage_object(data: &[u8]) -> bool {
-    static R: OnceLock<BytesRegex> = OnceLock::new();
-    R.get_or_init(|| BytesRegex::new(r#""usage"[ \t\n\r]*:[ \t\n\r]*\{"#).expect("valid regex"))
-        .is_match(data)
+    static KEY: OnceLock<memchr::memmem::Finder<'static>> = OnceLock::new();
+    let key = KEY.get_or_init(|| memchr::memmem::Finder::new(b"\"usage\""));
+    let ws = |b: &u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r');
+    // `find` in a loop: `find_iter` copies the searcher for every call.
+    let mut from = 0;
+    while let Some(at) = key.find(&data[from..]) {
+        let after = from + at + 7;
+        let mut rest = data[after..].iter().skip_while(|b| ws(b));
+        if rest.next() == Some(&b':') && rest.find(|b| !ws(b)) == Some(&b'{') {
+            return true;
+        }
+        from = after;
+    }
+    false
 }
 
 fn usage_only_value(v: &Value) -> bool {
@@ -878,10 +891,11 @@ pub fn is_usage_only_frame(data: &[u8]) -> bool {
     matches!(look_at_data(data), DataLook::Done(true, _))
 }
 
-/// Index of the first `\n` or `\r` in `s`. Eight bytes at a time: a stream is mostly long
-/// `data:` lines, and a byte-by-byte search was the filter's largest cost.
+/// Index of the first `\n` or `\r` in `s`. A stream is mostly `data:` lines of a hundred
+/// bytes and more, long enough for memchr's SIMD search to beat a word-at-a-time one
+/// (callgrind, 18-event stream: ~4.7k -> ~1.4k instructions per response).
 fn line_end(s: &[u8]) -> Option<usize> {
-    crate::bytescan::find_either(s, b'\n', b'\r')
+    memchr::memchr2(b'\n', b'\r', s)
 }
 
 /// The value of a `data:` line (without its terminator): after `data:` and one optional space.
@@ -936,7 +950,8 @@ impl UsageFrameFilter {
     pub fn new() -> Self {
         UsageFrameFilter {
             state: FState::Idle,
-            held: Vec::new(),
+            // Room for a usual event: held events do not grow it piece by piece.
+            held: Vec::with_capacity(512),
             line_start: 0,
             first_line: true,
             pass_line_len: 0,
@@ -977,6 +992,14 @@ impl UsageFrameFilter {
             let rest = &chunk[i..];
             match self.state {
                 FState::Idle => {
+                    // The usual event, one line and its blank line whole in this chunk and no
+                    // usage object in it: straight to `out`, not held first (what the held
+                    // path would give for it, byte for byte).
+                    if let Some(n) = self.plain_event(rest) {
+                        out.extend_from_slice(&rest[..n]);
+                        i += n;
+                        continue;
+                    }
                     let b = rest[0];
                     if b == b'\n' || b == b'\r' {
                         out.push(b);
@@ -1044,6 +1067,21 @@ impl UsageFrameFilter {
         self.state = FState::Idle;
         self.line_start = 0;
         self.pass_line_len = 0;
+    }
+
+    /// The length of the event `rest` starts with (a line, `\n\n`) when it is whole in `rest`
+    /// and its line holds no usage object, so that it passes as it is; `None` otherwise
+    /// (another shape, a `\r`, a line break inside, or a usage object: the held path decides).
+    fn plain_event(&self, rest: &[u8]) -> Option<usize> {
+        let n = line_end(rest)?;
+        if n == 0 || rest.get(n..n + 2) != Some(b"\n\n") {
+            return None;
+        }
+        let line = &rest[..n];
+        if has_usage_object(data_value(line).unwrap_or(line)) {
+            return None;
+        }
+        Some(n + 2)
     }
 
     /// Can the (incomplete) current line still belong to a usage-only event?
@@ -1692,6 +1730,38 @@ mod tests {
     }
 
     #[test]
+    fn whole_events_passed_at_once_match_the_held_path() {
+        // Random streams of the usual events and odd ones; fed whole, the one-line events
+        // take the direct path, fed a byte at a time every event is held: same output,
+        // same removals, same usage.
+        const EVENTS: [&str; 10] = [
+            CONTENT1,
+            CONTENT2,
+            USAGE,
+            DONE,
+            ": ping\n\n",
+            "event: x\ndata: {\"a\":1}\n\n",
+            "data: {\"choices\":[],\ndata: \"usage\":{\"completion_tokens\":9}}\n\n",
+            "data: {\"x\":\"usage\",\"usage\" : {\"prompt_tokens\":3}}\n\n",
+            "data: {\"id\":\"c\",\"choices\":[]}\r\n\r\n",
+            "\n",
+        ];
+        let mut rng = crate::testutil::XorShift::new(9);
+        for _ in 0..500 {
+            let stream: String = (0..rng.below(12))
+                .map(|_| EVENTS[rng.below(EVENTS.len())])
+                .collect();
+            let b = stream.as_bytes();
+            let whole = filter_all(&[b]);
+            let bytes: Vec<&[u8]> = b.chunks(1).collect();
+            let held = filter_all(&bytes);
+            assert_eq!(whole.0, held.0, "{stream:?}");
+            assert_eq!(whole.1.removed(), held.1.removed(), "{stream:?}");
+            assert_eq!(whole.1.usage(), held.1.usage(), "{stream:?}");
+        }
+    }
+
+    #[test]
     fn filter_crlf_and_multiline_removal() {
         let s = [CONTENT1, USAGE, DONE].concat().replace('\n', "\r\n");
         let (out, f) = filter_all(&[s.as_bytes()]);
@@ -1851,6 +1921,43 @@ mod tests {
         assert!(!has_usage_object(br#"{"content":"usage: {x}","usage":7}"#));
         assert!(!has_usage_object(br#"{"usages":{}}"#));
         assert!(!has_usage_object(b""));
+        // A later occurrence counts when an earlier one is not followed by an object.
+        assert!(has_usage_object(
+            br#"{"a":"usage","usage":7,"b":{"usage" :{ }}}"#
+        ));
+        assert!(!has_usage_object(br#""usage""#));
+        assert!(!has_usage_object(br#""usage":"#));
+        // Against the regular expression it replaces, over strings made of its pieces.
+        let re = BytesRegex::new(r#""usage"[ \t\n\r]*:[ \t\n\r]*\{"#).unwrap();
+        let pieces: [&[u8]; 10] = [
+            b"\"usage\"",
+            b"\"usag",
+            b"e\"",
+            b":",
+            b"{",
+            b" ",
+            b"\t\r\n",
+            b"x",
+            b"\"",
+            b"}",
+        ];
+        let mut rng = crate::testutil::XorShift::new(5);
+        let mut hits = 0;
+        for _ in 0..20_000 {
+            let mut d = Vec::new();
+            for _ in 0..rng.below(9) {
+                d.extend_from_slice(pieces[rng.below(pieces.len())]);
+            }
+            let want = re.is_match(&d);
+            hits += usize::from(want);
+            assert_eq!(
+                has_usage_object(&d),
+                want,
+                "{}",
+                String::from_utf8_lossy(&d)
+            );
+        }
+        assert!(hits > 50, "{hits}");
     }
 
     #[test]

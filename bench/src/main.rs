@@ -18,10 +18,12 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 mod sse;
+mod wake_cost;
 
 const USAGE: &str = "\
 usage: warmroute-bench replay --target URL [options]
        warmroute-bench sse --target URL [options]   (concurrent SSE streams; sse --help)
+       warmroute-bench wake-cost [options]          (what a wake-up costs; wake-cost --help)
 
 Replay N multi-turn conversations (growing history, streaming) against URL
 (http://HOST:PORT/PATH, PATH ending in /v1/chat/completions) and report TTFT and cache hits.
@@ -956,6 +958,9 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("sse") {
         return sse::main(&args[1..]);
+    }
+    if args.first().map(String::as_str) == Some("wake-cost") {
+        return wake_cost::main(&args[1..]);
     }
     let parsed = parse_args(&args);
     run_cli(

@@ -206,8 +206,21 @@ impl ChunkedDecoder {
 
 /// Encode `data` as one chunk into `out`.
 pub fn encode_chunk(data: &[u8], out: &mut Vec<u8>) {
-    use std::io::Write;
-    let _ = write!(out, "{:x}\r\n", data.len());
+    // The size in lowercase hex, without the formatting machinery (one chunk per event).
+    let mut hex = [0u8; 16];
+    let mut n = data.len();
+    let mut i = hex.len();
+    loop {
+        i -= 1;
+        hex[i] = b"0123456789abcdef"[n & 0xf];
+        n >>= 4;
+        if n == 0 {
+            break;
+        }
+    }
+    out.reserve(hex.len() - i + data.len() + 4);
+    out.extend_from_slice(&hex[i..]);
+    out.extend_from_slice(b"\r\n");
     out.extend_from_slice(data);
     out.extend_from_slice(b"\r\n");
 }
@@ -291,5 +304,14 @@ mod tests {
         let (out, _, done) = decode_all(&wire, 7).unwrap();
         assert!(done);
         assert_eq!(out.len(), 303);
+        // The size line is the length in lowercase hex, as `format!` would write it.
+        for n in [0usize, 1, 9, 10, 15, 16, 255, 256, 4095, 65536, 1 << 20] {
+            let mut w = Vec::new();
+            encode_chunk(&vec![b'x'; n], &mut w);
+            let head = format!("{n:x}\r\n");
+            assert!(w.starts_with(head.as_bytes()), "{n}");
+            assert_eq!(w.len(), head.len() + n + 2, "{n}");
+            assert!(w.ends_with(b"\r\n"));
+        }
     }
 }

@@ -964,9 +964,7 @@ fn response_filters(
             up.headers.get_known(crate::http::Known::CONTENT_TYPE),
         ) == Some(crate::postprocess::Mode::Sse)
     {
-        chain
-            .0
-            .push(Box::new(crate::transform::UsageFrameFilter::new()));
+        chain.push(Box::new(crate::transform::UsageFrameFilter::new()));
     }
     let name = if route.cfg.opts.postprocess.is_empty() {
         snap.config.server.defaults.postprocess.as_str()
@@ -978,11 +976,9 @@ fn response_filters(
             up.status,
             up.headers.get_known(crate::http::Known::CONTENT_TYPE),
         ) {
-            chain
-                .0
-                .push(Box::new(crate::postprocess::PostProcessor::new(
-                    handler, mode,
-                )));
+            chain.push(Box::new(crate::postprocess::PostProcessor::new(
+                handler, mode,
+            )));
         }
     }
     chain

@@ -141,24 +141,53 @@ pub trait BodyFilter {
 
 /// Filters applied in order.
 #[derive(Default)]
-pub struct FilterChain(pub Vec<Box<dyn BodyFilter>>);
+pub struct FilterChain(pub Vec<Box<dyn BodyFilter>>, Scratch);
+
+/// The buffers a chain of two or more filters passes its bytes along in, kept from one read
+/// to the next (a single filter writes straight to the caller's buffer).
+#[derive(Default)]
+struct Scratch(Vec<u8>, Vec<u8>);
 
 impl FilterChain {
+    pub fn push(&mut self, f: Box<dyn BodyFilter>) {
+        self.0.push(f);
+    }
+
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
 
+    /// Run `data` through every filter, appending what the last one gives to `out`.
     fn run(&mut self, data: &[u8], finish: bool, out: &mut Vec<u8>) {
-        let mut cur: Vec<u8> = data.to_vec();
-        for f in &mut self.0 {
-            let mut next = Vec::with_capacity(cur.len());
-            f.feed(&cur, &mut next);
+        let feed = |f: &mut Box<dyn BodyFilter>, data: &[u8], out: &mut Vec<u8>| {
+            f.feed(data, out);
             if finish {
-                f.finish(&mut next);
+                f.finish(out);
             }
-            cur = next;
+        };
+        let Some((last, first)) = self.0.split_last_mut() else {
+            out.extend_from_slice(data);
+            return;
+        };
+        if first.is_empty() {
+            feed(last, data, out);
+            return;
         }
-        out.extend_from_slice(&cur);
+        let Scratch(a, b) = &mut self.1;
+        a.clear();
+        a.extend_from_slice(data);
+        for f in first {
+            b.clear();
+            feed(f, a, b);
+            std::mem::swap(a, b);
+        }
+        feed(last, a, out);
+        // A burst does not keep its buffers' size for the rest of a long stream.
+        for v in [a, b] {
+            if v.capacity() > DECODE_OUT_KEEP_BYTES {
+                *v = Vec::new();
+            }
+        }
     }
 }
 
@@ -211,8 +240,11 @@ pub async fn relay(
     let mut out = head_bytes;
     let mut pending = buf;
     let mut pstart = start;
-    // Decoded body bytes of the current read (only when the client's framing differs).
+    // Decoded body bytes of the current read (only when the client's framing differs and
+    // the peer's is chunked: other bodies are filtered straight from the read buffer), and
+    // the filters' output, both kept from one read to the next.
     let mut decoded: Vec<u8> = Vec::new();
+    let mut body: Vec<u8> = Vec::new();
     let mut eof = false;
     // Consecutive upstream reads that were small (see the read at the end of the loop).
     let mut small_reads = if plan.event_stream {
@@ -238,9 +270,6 @@ pub async fn relay(
                 let take = (*rem).min(data.len() as u64) as usize;
                 note_body(stats, read_at, take);
                 stats.body(&data[..take]);
-                if decode {
-                    decoded.extend_from_slice(&data[..take]);
-                }
                 *rem -= take as u64;
                 if *rem == 0 {
                     finished = true;
@@ -273,9 +302,6 @@ pub async fn relay(
             Tracker::UntilClose => {
                 note_body(stats, read_at, data.len());
                 stats.body(data);
-                if decode {
-                    decoded.extend_from_slice(data);
-                }
                 finished = eof;
                 clean = false;
                 data.len()
@@ -283,15 +309,17 @@ pub async fn relay(
         };
         let has_body = !matches!(tracker, Tracker::None);
         if decode && has_body {
-            // Filter and re-frame what was decoded; at the end, flush the filters and
-            // close the chunked body.
-            let mut body = Vec::new();
-            if filters.is_empty() {
-                std::mem::swap(&mut body, &mut decoded);
-            } else {
-                filters.run(&decoded, finished, &mut body);
-                decoded.clear();
-            }
+            // Filter and re-frame the new body bytes (decoded from chunks, or as read); at
+            // the end, flush the filters and close the chunked body.
+            let new_bytes: &[u8] = match tracker {
+                Tracker::Chunked(_) => &decoded,
+                _ => &pending[pstart..pstart + emit],
+            };
+            body.clear();
+            // Filters mostly pass bytes through: room for all of them, grown once.
+            body.reserve(new_bytes.len() + 64);
+            filters.run(new_bytes, finished, &mut body);
+            decoded.clear();
             match plan.client {
                 ClientFraming::Chunked => {
                     if !body.is_empty() {
@@ -302,6 +330,10 @@ pub async fn relay(
                     }
                 }
                 _ => out.extend_from_slice(&body),
+            }
+            // A burst does not keep its buffer's size for the rest of a long stream.
+            if body.capacity() > 4 * DECODE_OUT_KEEP_BYTES {
+                body = Vec::new();
             }
         }
         // One client write per upstream read: the head (first time) and the new bytes
@@ -333,6 +365,11 @@ pub async fn relay(
             }
         }
         if finished {
+            // A re-framed body's write buffer goes back for the next request's head (the
+            // spares keep it only if its size suits them).
+            if out.capacity() > 0 {
+                heads.put(out);
+            }
             return (
                 RelayEnd::Done {
                     reusable: clean && !eof,
