@@ -1,0 +1,83 @@
+# bench/scenarios/ab.sh — scenario "ab" for bench/run (sourced; uses its helpers).
+#
+#   ab         two warmroute binaries side by side, to tell whether a change made the request
+#              cheaper: A (AB_A, required: e.g. a build of the previous commit) and B (AB_B,
+#              default the release build), each pinned to the proxy core in front of the same
+#              static nginx backend; AB_ROUNDS rounds of wrk -c CONNS alternating between them
+#              (A then B in odd rounds, B then A in even ones), under a CPU quota of
+#              BENCH_PROXY_QUOTA percent of a core (default 50: the proxy, not the load core,
+#              is then the limit, so req/s follows the proxy's CPU per request). Prints each
+#              round and the median of B/A over rounds; writes bench/out/ab-TS.json. No section
+#              of RESULTS.md: the notes quote it with its command.
+#              Knobs: AB_A, AB_B, AB_ROUNDS (6), AB_CASE (json or stream, default json),
+#              AB_ID (body, header or none; default body), BENCH_DURATION, BENCH_CONNS.
+#              Example: git worktree add /tmp/prev HEAD~1 && (cd /tmp/prev && cargo build
+#              --release) && AB_A=/tmp/prev/target/release/warmroute bench/run ab
+AB_ROUNDS=${AB_ROUNDS:-6}
+AB_CASE=${AB_CASE:-json}
+AB_ID=${AB_ID:-body}
+
+scenario_ab() {
+  [[ -n ${AB_A:-} && -x ${AB_A:-} ]] || die "ab: set AB_A to a warmroute binary (the baseline)"
+  local a=$AB_A b=${AB_B:-$BIN_DIR/warmroute}
+  [[ -x $b ]] || die "ab: AB_B ($b) is not an executable"
+  begin_scenario ab
+  local ts=$TS p=$BASE_PORT
+  make_proxy_cgroup "${BENCH_PROXY_QUOTA:-50}"
+  start_backend_nginx "$p" "$BACKEND_CPU"
+  wait_http backend "http://127.0.0.1:$p/health" 200
+  local name bin port
+  for name in A B; do
+    if [[ $name == A ]]; then bin=$a port=$((p + 10)); else bin=$b port=$((p + 20)); fi
+    local dir=$WORK/wr-$name shm=/dev/shm/warmroute-bench-ab-$port
+    mkdir -p "$dir/routes"
+    SHM_FILES+=("$shm")
+    printf 'listen = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\nroutes_dir = "routes"\nshm_path = "%s"\n' \
+      "$port" $((port + 1)) "$shm" >"$dir/warmroute.toml"
+    printf 'peers = [ { host = "127.0.0.1", port = %s, name = "b1", max_concurrency = 100000 } ]\n' \
+      "$p" >"$dir/routes/bench.toml"
+    spawn "wr-$name" "$PROXY_CPU" "$WORK/wr-$name.log" "$bin" serve --config "$dir/warmroute.toml" \
+      --access-log off --workers 1 --no-pin
+    wait_http "wr-$name" "http://127.0.0.1:$((port + 1))/readyz" 200
+  done
+  place pinned "$(seq -s, 0 $(($(nproc) - 1)))"
+  local round order
+  : >"$WORK/results.jsonl"
+  for ((round = 1; round <= AB_ROUNDS; round++)); do
+    if ((round % 2)); then order="A B"; else order="B A"; fi
+    for name in $order; do
+      if [[ $name == A ]]; then port=$((p + 10)); else port=$((p + 20)); fi
+      check_alive
+      log "round $round/$AB_ROUNDS: $name ($WARMUP warm-up, $DURATION at -c$CONNS)"
+      WRK_ID=$AB_ID run_wrk "wr-$name" pinned "http://127.0.0.1:$port" /bench/v1/chat/completions \
+        "$AB_CASE" "$CONNS" "$WARMUP" warmup "$round"
+      WRK_ID=$AB_ID run_wrk "wr-$name" pinned "http://127.0.0.1:$port" /bench/v1/chat/completions \
+        "$AB_CASE" "$CONNS" "$DURATION" throughput "$round"
+    done
+  done
+  local json_out=$OUT_DIR/ab-$ts.json
+  python3 - "$WORK/results.jsonl" "$json_out" "$a" "$b" "$AB_CASE" "${BENCH_PROXY_QUOTA:-50}" "$(git_rev)" <<'EOF'
+import json, statistics, sys
+res, out, a, b, case, quota, git = sys.argv[1:8]
+rps = {"wr-A": {}, "wr-B": {}}
+for line in open(res):
+    r = json.loads(line)
+    if r["kind"] == "throughput":
+        rps[r["party"]][r["round"]] = r["wrk"]["requests"] / (r["wrk"]["duration_us"] / 1e6)
+rounds = sorted(set(rps["wr-A"]) & set(rps["wr-B"]))
+ratios = [rps["wr-B"][i] / rps["wr-A"][i] for i in rounds]
+for i, q in zip(rounds, ratios):
+    print(f"  round {i}: A {rps['wr-A'][i]:9.0f}  B {rps['wr-B'][i]:9.0f} req/s  B/A {q:.3f}")
+summary = {
+    "a": a, "b": b, "case": case, "proxy_quota_pct": int(quota), "git": git,
+    "rounds": [{"round": i, "a_rps": rps["wr-A"][i], "b_rps": rps["wr-B"][i]} for i in rounds],
+    "median_b_over_a": round(statistics.median(ratios), 4) if ratios else None,
+    "min_b_over_a": round(min(ratios), 4) if ratios else None,
+    "max_b_over_a": round(max(ratios), 4) if ratios else None,
+}
+json.dump(summary, open(out, "w"), indent=2)
+print(f"  B/A median {summary['median_b_over_a']} (min {summary['min_b_over_a']}, max {summary['max_b_over_a']}) "
+      f"over {len(ratios)} rounds, {case}, proxies capped at {quota}% of a core")
+EOF
+  log "results: $json_out"
+}
