@@ -950,8 +950,9 @@ impl UsageFrameFilter {
     pub fn new() -> Self {
         UsageFrameFilter {
             state: FState::Idle,
-            // Room for a usual event: held events do not grow it piece by piece.
-            held: Vec::with_capacity(512),
+            // Left empty: whole one-line events (the usual ones) pass without it, and an
+            // open stream should not keep a buffer per connection for nothing.
+            held: Vec::new(),
             line_start: 0,
             first_line: true,
             pass_line_len: 0,
