@@ -165,6 +165,7 @@ async fn handle_request(
         (PortKind::Public, Dispatch::Proxy { route, target }) => {
             let route = found
                 .get()
+                .filter(|r| r.name() == route)
                 .or_else(|| snap.route(route))
                 .expect("dispatch only names known routes");
             proxy(ctx, conn, &head, &snap, Entry::Route(route, target)).await

@@ -43,16 +43,49 @@ pub struct WorkerCtx {
     /// Spare head buffers: the request for the peer and the response head for the client.
     heads: Spares,
     /// Spare per-request peer-load lists (see [`WorkerCtx::loads`]).
-    loads: RefCell<Vec<Vec<crate::pipeline::peer_select::Load>>>,
+    loads: SpareVecs<crate::pipeline::peer_select::Load>,
     /// This worker's body-log sender, when a listener is configured (fixed at start).
     pub bodylog: Option<Rc<crate::bodylog::sender::Sender>>,
     /// Wall-clock milliseconds for the monotonic times a request already took.
     pub wall: WallClock,
 }
 
-/// A request's peer-load list, lent by [`WorkerCtx::loads`].
+/// A bounded free list of small vectors: at most `SPARE_BUFS_MAX` kept, none with room
+/// for more than [`SPARE_VEC_LEN_MAX`] items (a list sized for a very large pool is freed).
+pub struct SpareVecs<T> {
+    list: RefCell<Vec<Vec<T>>>,
+}
+
+/// The largest capacity a [`SpareVecs`] keeps.
+const SPARE_VEC_LEN_MAX: usize = 64;
+
+impl<T> Default for SpareVecs<T> {
+    fn default() -> Self {
+        SpareVecs {
+            list: RefCell::new(Vec::new()),
+        }
+    }
+}
+
+impl<T> SpareVecs<T> {
+    /// An empty vector, a kept one when there is one.
+    fn take(&self) -> Vec<T> {
+        self.list.borrow_mut().pop().unwrap_or_default()
+    }
+
+    /// Keep `v`, emptied, unless the list is full or `v` is too large.
+    fn put(&self, mut v: Vec<T>) {
+        let mut list = self.list.borrow_mut();
+        if list.len() < SPARE_BUFS_MAX && v.capacity() <= SPARE_VEC_LEN_MAX {
+            v.clear();
+            list.push(v);
+        }
+    }
+}
+
+/// A request's peer-load list, lent by [`WorkerCtx::loads`] and given back when dropped.
 pub struct SpareLoads<'a> {
-    ctx: &'a WorkerCtx,
+    spares: &'a SpareVecs<crate::pipeline::peer_select::Load>,
     v: Vec<crate::pipeline::peer_select::Load>,
 }
 
@@ -71,21 +104,16 @@ impl std::ops::DerefMut for SpareLoads<'_> {
 
 impl Drop for SpareLoads<'_> {
     fn drop(&mut self) {
-        let mut list = self.ctx.loads.borrow_mut();
-        // A list sized for a very large pool is not kept.
-        if list.len() < SPARE_BUFS_MAX && self.v.capacity() <= 64 {
-            let mut v = std::mem::take(&mut self.v);
-            v.clear();
-            list.push(v);
-        }
+        self.spares.put(std::mem::take(&mut self.v));
     }
 }
 
 /// Wall-clock milliseconds (`warmroute_shm::now_ms`'s clock) for a monotonic `Instant` the
 /// caller already has, without a second clock read per request: the wall time is read
 /// once, with the `Instant` it goes with, and later times are that plus the monotonic
-/// time since. Read again once the anchor is [`WALL_ANCHOR_MAX`] old (or the `Instant`
-/// precedes it), so a stepped or slewed wall clock is followed within that long.
+/// time since (an `Instant` before the anchor is counted back from it). Read again once an
+/// `Instant` is [`WALL_ANCHOR_MAX`] past the anchor, so a stepped or slewed wall clock is
+/// followed within that long.
 #[derive(Default)]
 pub struct WallClock {
     anchor: Cell<Option<(std::time::Instant, u64)>>,
@@ -217,7 +245,7 @@ impl WorkerCtx {
             heads: Spares::new(HEAD_BUF_BYTES),
             bodylog,
             wall: WallClock::default(),
-            loads: RefCell::new(Vec::new()),
+            loads: SpareVecs::default(),
         }
     }
 
@@ -272,8 +300,10 @@ impl WorkerCtx {
     /// An empty list for a request's peer loads, handed back to the worker when dropped
     /// (at most `SPARE_BUFS_MAX` kept): a request does not allocate one.
     pub fn loads(&self) -> SpareLoads<'_> {
-        let v = self.loads.borrow_mut().pop().unwrap_or_default();
-        SpareLoads { ctx: self, v }
+        SpareLoads {
+            spares: &self.loads,
+            v: self.loads.take(),
+        }
     }
 
     /// xorshift64*: cheap randomness for tie-breaks, no syscalls, no locks.
@@ -421,5 +451,23 @@ mod tests {
         let a = w.ms_at(Instant::now());
         let b = warmroute_shm::now_ms();
         assert!(b.abs_diff(a) < 50, "{a} vs {b}");
+    }
+
+    #[test]
+    fn spare_vecs_hand_back_emptied_vectors_and_drop_large_ones() {
+        let s: SpareVecs<u64> = SpareVecs::default();
+        let mut v = s.take();
+        v.extend([1, 2, 3]);
+        let ptr = v.as_ptr();
+        s.put(v);
+        let again = s.take();
+        assert!(again.is_empty(), "no stale items");
+        assert_eq!(again.as_ptr(), ptr, "the same allocation");
+        s.put(Vec::with_capacity(SPARE_VEC_LEN_MAX + 1));
+        assert!(s.take().capacity() == 0, "a large vector is not kept");
+        for _ in 0..SPARE_BUFS_MAX + 10 {
+            s.put(Vec::with_capacity(4));
+        }
+        assert_eq!(s.list.borrow().len(), SPARE_BUFS_MAX);
     }
 }
