@@ -559,3 +559,70 @@ fn a_burst_wider_than_the_old_64_connection_pool_reuses_every_connection() {
         "a 16-connection pool reconnects: {small} accepted"
     );
 }
+
+/// A backend that answers `GET .../fast` with a 200 at once and `GET .../slow` with a 500
+/// after `slow`.
+fn fast_and_slow_backend(slow: Duration) -> std::net::SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            std::thread::spawn(move || {
+                let mut have = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    while let Some(end) = have.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head: Vec<u8> = have.drain(..end + 4).collect();
+                        let resp: &[u8] = if head.windows(5).any(|w| w == b"/slow") {
+                            std::thread::sleep(slow);
+                            b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n"
+                        } else {
+                            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+                        };
+                        if s.write_all(resp).is_err() {
+                            return;
+                        }
+                    }
+                    match s.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => have.extend_from_slice(&buf[..n]),
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn the_client_idle_wait_counts_from_the_last_response_and_closes_after_the_timeout() {
+    let b = fast_and_slow_backend(Duration::from_millis(1200));
+    let env = start(
+        &[("r", route_for(&[b], ""))],
+        "client_idle_timeout_ms = 800\n",
+    );
+    let c = connect(env.public());
+    let mut r = BufReader::new(c.try_clone().unwrap());
+    let mut c = c;
+    // Two pipelined requests: a quick 200, then a 500 that takes longer than the idle
+    // timeout. The idle wait after the 500 counts from the 500, not from the 200.
+    c.write_all(&[get("/r/fast"), get("/r/slow")].concat())
+        .unwrap();
+    assert_eq!(read_response(&mut r, false).unwrap().status, 200);
+    assert_eq!(read_response(&mut r, false).unwrap().status, 500);
+    std::thread::sleep(Duration::from_millis(200));
+    c.write_all(&get("/r/fast")).unwrap();
+    assert_eq!(
+        read_response(&mut r, false).map(|x| x.status).ok(),
+        Some(200),
+        "the connection is still open 200 ms after the last response"
+    );
+    // Control: idle for longer than the timeout, the router closes the connection.
+    std::thread::sleep(Duration::from_millis(1300));
+    let _ = c.write_all(&get("/r/fast"));
+    assert!(
+        read_response(&mut r, false).is_err(),
+        "closed after 1.3 s idle with an 800 ms idle timeout"
+    );
+}

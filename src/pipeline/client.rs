@@ -113,6 +113,8 @@ impl ClientConn {
     ) -> HeadRead {
         let mut started = !self.inbuf.is_empty();
         let mut deadline = None;
+        // Taken whatever happens: it describes the response just finished, never a later one.
+        let mut idle_since = self.idle_since.take();
         loop {
             if !self.inbuf.is_empty() {
                 match http::parse_request(&self.inbuf) {
@@ -127,7 +129,7 @@ impl ClientConn {
             let wait = if started {
                 *deadline.get_or_insert_with(|| Instant::now() + head_timeout)
             } else {
-                self.idle_since
+                idle_since
                     .take()
                     .map_or_else(Instant::now, Instant::from_std)
                     + idle
