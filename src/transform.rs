@@ -838,7 +838,8 @@ fn has_usage_object(data: &[u8]) -> bool {
         if rest.next() == Some(&b':') && rest.find(|b| !ws(b)) == Some(&b'{') {
             return true;
         }
-        from = after;
+        // The next match may start on this one's closing quote (`"usage"usage"`).
+        from = after - 1;
     }
     false
 }
@@ -1930,7 +1931,12 @@ mod tests {
         assert!(!has_usage_object(br#""usage":"#));
         // Against the regular expression it replaces, over strings made of its pieces.
         let re = BytesRegex::new(r#""usage"[ \t\n\r]*:[ \t\n\r]*\{"#).unwrap();
-        let pieces: [&[u8]; 10] = [
+        assert!(
+            has_usage_object(br#""usage"usage":{"#),
+            "overlapping matches"
+        );
+        let pieces: [&[u8]; 11] = [
+            b"usage\"",
             b"\"usage\"",
             b"\"usag",
             b"e\"",

@@ -331,10 +331,6 @@ pub async fn relay(
                 }
                 _ => out.extend_from_slice(&body),
             }
-            // A burst does not keep its buffer's size for the rest of a long stream.
-            if body.capacity() > 4 * DECODE_OUT_KEEP_BYTES {
-                body = Vec::new();
-            }
         }
         // One client write per upstream read: the head (first time) and the new bytes
         // together, or the new bytes straight from the read buffer.
@@ -390,6 +386,15 @@ pub async fn relay(
             // next request's head, instead of to the allocator (whose free memory an
             // open stream's process keeps as RSS).
             spares.put(std::mem::replace(&mut pending, Vec::with_capacity(want)));
+        }
+        // A stream back to small reads after a burst does not keep the burst's decode and
+        // filter buffers for the rest of its life (bulk bodies keep theirs from read to read).
+        if want == SMALL_READ_BUF_BYTES {
+            for v in [&mut body, &mut decoded] {
+                if v.capacity() > DECODE_OUT_KEEP_BYTES {
+                    *v = Vec::new();
+                }
+            }
         }
         let cap = pending.capacity();
         // Idle: nothing from the peer for `idle_timeout` from now, after the client's

@@ -1,0 +1,211 @@
+//! The relay's re-framing path end to end: every response framing × client HTTP version ×
+//! response-filter chain (the usage filter, postprocess, both, none), with the backend's bytes
+//! written in random pieces: the client gets exactly what the filters make of the body.
+
+mod common;
+
+use std::io::{BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::Duration;
+
+use common::*;
+use warmroute::postprocess::{Handler, Mode, PostProcessor};
+use warmroute::transform::UsageFrameFilter;
+
+#[derive(Clone, Copy, Debug)]
+enum Framing {
+    Length,
+    Chunked,
+    UntilClose,
+}
+
+/// A backend that answers every request with `body` framed as `framing`, writing the bytes in
+/// pieces cut at `seed`-chosen places with short pauses.
+fn backend(body: Vec<u8>, ct: &'static str, framing: Framing, seed: u64) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut seed = seed;
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            s.set_nodelay(true).ok();
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let body = body.clone();
+            let my = seed;
+            std::thread::spawn(move || {
+                let mut buf = Vec::new();
+                let mut tmp = [0u8; 65536];
+                loop {
+                    // one request: head + content-length body
+                    let req_end = loop {
+                        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+                            let cl = head
+                                .lines()
+                                .find_map(|l| l.strip_prefix("content-length:"))
+                                .and_then(|v| v.trim().parse::<usize>().ok())
+                                .unwrap_or(0);
+                            if buf.len() >= end + 4 + cl {
+                                break Some(end + 4 + cl);
+                            }
+                        }
+                        match s.read(&mut tmp) {
+                            Ok(0) | Err(_) => break None,
+                            Ok(n) => buf.extend_from_slice(&tmp[..n]),
+                        }
+                    };
+                    let Some(e) = req_end else { return };
+                    buf.drain(..e);
+                    let mut wire =
+                        format!("HTTP/1.1 200 OK\r\nContent-Type: {ct}\r\n").into_bytes();
+                    let mut rng = my;
+                    let mut next = || {
+                        rng ^= rng << 13;
+                        rng ^= rng >> 7;
+                        rng ^= rng << 17;
+                        rng
+                    };
+                    match framing {
+                        Framing::Length => {
+                            wire.extend(format!("Content-Length: {}\r\n\r\n", body.len()).bytes());
+                            wire.extend_from_slice(&body);
+                        }
+                        Framing::UntilClose => {
+                            wire.extend_from_slice(b"Connection: close\r\n\r\n");
+                            wire.extend_from_slice(&body);
+                        }
+                        Framing::Chunked => {
+                            wire.extend_from_slice(b"Transfer-Encoding: chunked\r\n\r\n");
+                            let mut i = 0;
+                            while i < body.len() {
+                                let n = (1 + next() as usize % 40).min(body.len() - i);
+                                wire.extend(format!("{n:x}\r\n").bytes());
+                                wire.extend_from_slice(&body[i..i + n]);
+                                wire.extend_from_slice(b"\r\n");
+                                i += n;
+                            }
+                            wire.extend_from_slice(b"0\r\n\r\n");
+                        }
+                    }
+                    let mut i = 0;
+                    while i < wire.len() {
+                        let n = (1 + next() as usize % 60).min(wire.len() - i);
+                        if s.write_all(&wire[i..i + n]).is_err() {
+                            return;
+                        }
+                        i += n;
+                        if next() % 4 == 0 {
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                    }
+                    if matches!(framing, Framing::UntilClose) {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Route, request body, whether the usage filter applies, the postprocess mode, the backend's
+/// body.
+type Case<'a> = (&'a str, &'a str, bool, Option<Mode>, &'a [u8]);
+
+fn expected(body: &[u8], usage: bool, pp: Option<Mode>) -> Vec<u8> {
+    let mut cur = body.to_vec();
+    if usage {
+        let mut f = UsageFrameFilter::new();
+        let mut o = Vec::new();
+        f.feed(&cur, &mut o);
+        f.finish(&mut o);
+        cur = o;
+    }
+    if let Some(m) = pp {
+        let mut f = PostProcessor::new(Handler::VllmFormat, m);
+        let mut o = Vec::new();
+        f.feed(&cur, &mut o);
+        f.finish(&mut o);
+        cur = o;
+    }
+    cur
+}
+
+const SSE: &str = "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"reasoning\":\"r\"},\"stop_reason\":null}],\"service_tier\":null}\n\n\
+: keepalive\n\n\
+event: message\ndata: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x\"}}]}\n\n\
+data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"y\"}}]}\r\n\r\n\
+data: {\"id\":\"c1\",\"choices\":[],\ndata: \"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2}}\n\n\
+data: {\"id\":\"c1\",\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2}}\n\n\
+data: [DONE]\n\n";
+
+const JSON: &str = r#"{"id":"c1","object":"chat.completion","model":"m","service_tier":null,"choices":[{"index":0,"message":{"role":"assistant","content":"hi","reasoning":"because"},"logprobs":null,"finish_reason":"stop","stop_reason":null}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}"#;
+
+fn ask(env: &Env, route: &str, body: &str, v10: bool) -> Resp {
+    let ver = if v10 { "1.0" } else { "1.1" };
+    let raw = format!(
+        "POST /{route}/v1/chat/completions HTTP/{ver}\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut s = TcpStream::connect(env.public()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(raw.as_bytes()).unwrap();
+    let mut r = BufReader::new(s);
+    read_response(&mut r, false).unwrap()
+}
+
+#[test]
+fn every_framing_client_version_and_filter_chain_gives_the_filtered_body() {
+    let stream_req = r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"a"}]}"#;
+    let stream_req_usage = r#"{"model":"m","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"a"}]}"#;
+    let json_req = r#"{"model":"m","messages":[{"role":"user","content":"a"}]}"#;
+    let mut n = 0;
+    for seed in 1..=6u64 {
+        for framing in [Framing::Length, Framing::Chunked, Framing::UntilClose] {
+            let sse = backend(SSE.into(), "text/event-stream", framing, seed);
+            let json = backend(JSON.into(), "application/json", framing, seed);
+            let env = start(
+                &[
+                    ("pp", route_for(&[sse], "postprocess = \"vllm_format\"\n")),
+                    ("plain", route_for(&[sse], "")),
+                    ("ppj", route_for(&[json], "postprocess = \"vllm_format\"\n")),
+                ],
+                "",
+            );
+            for v10 in [false, true] {
+                let cases: [Case; 5] = [
+                    // chain of two: usage filter + postprocess
+                    ("pp", stream_req, true, Some(Mode::Sse), SSE.as_bytes()),
+                    // usage filter only
+                    ("plain", stream_req, true, None, SSE.as_bytes()),
+                    // postprocess only (client asked for usage: nothing injected)
+                    (
+                        "pp",
+                        stream_req_usage,
+                        false,
+                        Some(Mode::Sse),
+                        SSE.as_bytes(),
+                    ),
+                    // no filter at all
+                    ("plain", stream_req_usage, false, None, SSE.as_bytes()),
+                    // JSON postprocess
+                    ("ppj", json_req, false, Some(Mode::Json), JSON.as_bytes()),
+                ];
+                for (route, req, usage, pp, body) in cases {
+                    let r = ask(&env, route, req, v10);
+                    assert_eq!(r.status, 200);
+                    let want = expected(body, usage, pp);
+                    assert_eq!(
+                        String::from_utf8_lossy(&r.body),
+                        String::from_utf8_lossy(&want),
+                        "seed {seed} {framing:?} v10={v10} route {route} usage={usage}"
+                    );
+                    n += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(n, 6 * 3 * 2 * 5);
+}
