@@ -829,13 +829,12 @@ fn structural(
 fn has_usage_object(data: &[u8]) -> bool {
     static KEY: OnceLock<memchr::memmem::Finder<'static>> = OnceLock::new();
     let key = KEY.get_or_init(|| memchr::memmem::Finder::new(b"\"usage\""));
-    let ws = |b: &u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r');
     // `find` in a loop: `find_iter` copies the searcher for every call.
     let mut from = 0;
     while let Some(at) = key.find(&data[from..]) {
         let after = from + at + 7;
-        let mut rest = data[after..].iter().skip_while(|b| ws(b));
-        if rest.next() == Some(&b':') && rest.find(|b| !ws(b)) == Some(&b'{') {
+        let colon = skip_ws(data, after);
+        if data.get(colon) == Some(&b':') && data.get(skip_ws(data, colon + 1)) == Some(&b'{') {
             return true;
         }
         // The next match may start on this one's closing quote (`"usage"usage"`).

@@ -183,11 +183,8 @@ impl FilterChain {
         }
         feed(last, a, out);
         // A burst does not keep its buffers' size for the rest of a long stream.
-        for v in [a, b] {
-            if v.capacity() > DECODE_OUT_KEEP_BYTES {
-                *v = Vec::new();
-            }
-        }
+        shed_burst(a);
+        shed_burst(b);
     }
 }
 
@@ -212,6 +209,14 @@ enum Tracker {
 
 /// The largest client-write buffer a re-framed body keeps from one write to the next.
 const DECODE_OUT_KEEP_BYTES: usize = 4 * 1024;
+
+/// Free a buffer a burst grew past [`DECODE_OUT_KEEP_BYTES`], so that a stream which goes on
+/// at a trickle does not hold it.
+fn shed_burst(v: &mut Vec<u8>) {
+    if v.capacity() > DECODE_OUT_KEEP_BYTES {
+        *v = Vec::new();
+    }
+}
 
 /// Relay the response: `head_bytes` (the client's response head) goes out with the first
 /// body bytes, then each upstream read becomes one client write. `buf[start..]` holds body
@@ -390,11 +395,8 @@ pub async fn relay(
         // A stream back to small reads after a burst does not keep the burst's decode and
         // filter buffers for the rest of its life (bulk bodies keep theirs from read to read).
         if want == SMALL_READ_BUF_BYTES {
-            for v in [&mut body, &mut decoded] {
-                if v.capacity() > DECODE_OUT_KEEP_BYTES {
-                    *v = Vec::new();
-                }
-            }
+            shed_burst(&mut body);
+            shed_burst(&mut decoded);
         }
         let cap = pending.capacity();
         // Idle: nothing from the peer for `idle_timeout` from now, after the client's
