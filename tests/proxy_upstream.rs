@@ -366,27 +366,14 @@ fn a_stream_idle_past_the_idle_timeout_is_cut_and_a_steady_one_is_not() {
 fn slow_503_peer() -> std::net::SocketAddr {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for s in l.incoming() {
-            let Ok(mut s) = s else { continue };
-            std::thread::spawn(move || {
-                let mut buf = vec![0u8; 65536];
-                let mut have = Vec::new();
-                loop {
-                    match s.read(&mut buf) {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => have.extend_from_slice(&buf[..n]),
-                    }
-                    if have.ends_with(b"}") {
-                        have.clear();
-                        std::thread::sleep(Duration::from_millis(300));
-                        let no = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n";
-                        if s.write_all(no).is_err() {
-                            return;
-                        }
-                    }
-                }
-            });
+    serve_each(l, |mut s| {
+        let mut buf = Vec::new();
+        while read_request(&mut s, &mut buf).is_some() {
+            std::thread::sleep(Duration::from_millis(300));
+            let no = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n";
+            if s.write_all(no).is_err() {
+                return;
+            }
         }
     });
     addr
@@ -475,38 +462,24 @@ fn gated_backend(burst: usize) -> (std::net::SocketAddr, std::sync::Arc<AtomicUs
     // Requests seen so far; a request is answered once its whole burst has arrived.
     let gate = Arc::new((Mutex::new(0usize), Condvar::new()));
     let acc = accepted.clone();
-    std::thread::spawn(move || {
-        for s in l.incoming() {
-            let Ok(mut s) = s else { continue };
-            acc.fetch_add(1, SeqCst);
-            let gate = gate.clone();
-            std::thread::spawn(move || {
-                let mut buf = Vec::new();
-                let mut tmp = [0u8; 4096];
-                loop {
-                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match s.read(&mut tmp) {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&tmp[..n]),
-                        }
-                    }
-                    buf.clear();
-                    let (seen, cv) = &*gate;
-                    let mut n = seen.lock().unwrap();
-                    *n += 1;
-                    let release = (*n).div_ceil(burst) * burst;
-                    cv.notify_all();
-                    while *n < release {
-                        n = cv.wait(n).unwrap();
-                    }
-                    drop(n);
-                    if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-                        .is_err()
-                    {
-                        return;
-                    }
-                }
-            });
+    serve_each(l, move |mut s| {
+        acc.fetch_add(1, SeqCst);
+        let mut buf = Vec::new();
+        while read_request(&mut s, &mut buf).is_some() {
+            let (seen, cv) = &*gate;
+            let mut n = seen.lock().unwrap();
+            *n += 1;
+            let release = (*n).div_ceil(burst) * burst;
+            cv.notify_all();
+            while *n < release {
+                n = cv.wait(n).unwrap();
+            }
+            drop(n);
+            if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                .is_err()
+            {
+                return;
+            }
         }
     });
     (addr, accepted)
@@ -565,31 +538,18 @@ fn a_burst_wider_than_the_old_64_connection_pool_reuses_every_connection() {
 fn fast_and_slow_backend(slow: Duration) -> std::net::SocketAddr {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for s in l.incoming() {
-            let Ok(mut s) = s else { continue };
-            std::thread::spawn(move || {
-                let mut have = Vec::new();
-                let mut buf = [0u8; 4096];
-                loop {
-                    while let Some(end) = have.windows(4).position(|w| w == b"\r\n\r\n") {
-                        let head: Vec<u8> = have.drain(..end + 4).collect();
-                        let resp: &[u8] = if head.windows(5).any(|w| w == b"/slow") {
-                            std::thread::sleep(slow);
-                            b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n"
-                        } else {
-                            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
-                        };
-                        if s.write_all(resp).is_err() {
-                            return;
-                        }
-                    }
-                    match s.read(&mut buf) {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => have.extend_from_slice(&buf[..n]),
-                    }
-                }
-            });
+    serve_each(l, move |mut s| {
+        let mut buf = Vec::new();
+        while let Some(head) = read_request(&mut s, &mut buf) {
+            let resp: &[u8] = if head.windows(5).any(|w| w == b"/slow") {
+                std::thread::sleep(slow);
+                b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n"
+            } else {
+                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+            };
+            if s.write_all(resp).is_err() {
+                return;
+            }
         }
     });
     addr

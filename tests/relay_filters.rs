@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::io::{BufReader, Read, Write};
+use std::io::{BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::Duration;
 
@@ -36,28 +36,7 @@ fn backend(body: Vec<u8>, ct: &'static str, framing: Framing, seed: u64) -> Sock
             let my = seed;
             std::thread::spawn(move || {
                 let mut buf = Vec::new();
-                let mut tmp = [0u8; 65536];
-                loop {
-                    // one request: head + content-length body
-                    let req_end = loop {
-                        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                            let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
-                            let cl = head
-                                .lines()
-                                .find_map(|l| l.strip_prefix("content-length:"))
-                                .and_then(|v| v.trim().parse::<usize>().ok())
-                                .unwrap_or(0);
-                            if buf.len() >= end + 4 + cl {
-                                break Some(end + 4 + cl);
-                            }
-                        }
-                        match s.read(&mut tmp) {
-                            Ok(0) | Err(_) => break None,
-                            Ok(n) => buf.extend_from_slice(&tmp[..n]),
-                        }
-                    };
-                    let Some(e) = req_end else { return };
-                    buf.drain(..e);
+                while read_request(&mut s, &mut buf).is_some() {
                     let mut wire =
                         format!("HTTP/1.1 200 OK\r\nContent-Type: {ct}\r\n").into_bytes();
                     let mut rng = my;

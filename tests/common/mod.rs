@@ -315,50 +315,60 @@ fn serve_script(
     responses: &[Vec<u8>],
     close_after: usize,
 ) {
-    {
-        {
-            s.set_nodelay(true).ok();
-            let mut served = 0;
-            let mut buf = Vec::new();
-            loop {
-                // Read one request head (+ Content-Length body).
-                let mut tmp = [0u8; 65536];
-                let req = loop {
-                    if let Some(end) = find_head_end(&buf) {
-                        let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
-                        let cl = head
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:"))
-                            .and_then(|v| v.trim().parse::<usize>().ok())
-                            .unwrap_or(0);
-                        if buf.len() >= end + cl {
-                            let req: Vec<u8> = buf.drain(..end + cl).collect();
-                            break Some(req);
-                        }
-                    }
-                    match s.read(&mut tmp) {
-                        Ok(0) | Err(_) => break None,
-                        Ok(n) => buf.extend_from_slice(&tmp[..n]),
-                    }
-                };
-                let Some(req) = req else { break };
-                // The script advances per request across all connections.
-                let n = {
-                    let mut all = rq.lock().unwrap();
-                    all.push(req);
-                    all.len() - 1
-                };
-                let resp = &responses[n % responses.len()];
-                if s.write_all(resp).is_err() {
-                    break;
-                }
-                served += 1;
-                if served >= close_after {
-                    break;
-                }
-            }
+    s.set_nodelay(true).ok();
+    let mut served = 0;
+    let mut buf = Vec::new();
+    while let Some(req) = read_request(&mut s, &mut buf) {
+        // The script advances per request across all connections.
+        let n = {
+            let mut all = rq.lock().unwrap();
+            all.push(req);
+            all.len() - 1
+        };
+        let resp = &responses[n % responses.len()];
+        if s.write_all(resp).is_err() {
+            break;
+        }
+        served += 1;
+        if served >= close_after {
+            break;
         }
     }
+}
+
+/// The next request on `s` (its head and a `Content-Length` body) for a test backend; `buf`
+/// keeps bytes read past it (pipelined requests) for the next call. `None` at EOF or on an
+/// error.
+pub fn read_request(s: &mut TcpStream, buf: &mut Vec<u8>) -> Option<Vec<u8>> {
+    let mut tmp = [0u8; 65536];
+    loop {
+        if let Some(end) = find_head_end(buf) {
+            let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+            let cl = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .unwrap_or(0);
+            if buf.len() >= end + cl {
+                return Some(buf.drain(..end + cl).collect());
+            }
+        }
+        match s.read(&mut tmp) {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&tmp[..n]),
+        }
+    }
+}
+
+/// Run `serve` on a thread of its own for every connection `l` accepts (a test backend).
+pub fn serve_each(l: TcpListener, serve: impl Fn(TcpStream) + Clone + Send + 'static) {
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(s) = s else { continue };
+            let serve = serve.clone();
+            std::thread::spawn(move || serve(s));
+        }
+    });
 }
 
 fn find_head_end(b: &[u8]) -> Option<usize> {
