@@ -827,8 +827,7 @@ fn structural(
 /// Whether `data` holds `"usage"`, JSON whitespace, `:`, whitespace, `{` somewhere (a usage
 /// object, as far as bytes tell). Runs on every SSE event the usage filter sees.
 fn has_usage_object(data: &[u8]) -> bool {
-    static KEY: OnceLock<memchr::memmem::Finder<'static>> = OnceLock::new();
-    let key = KEY.get_or_init(|| memchr::memmem::Finder::new(b"\"usage\""));
+    let key = usage_key();
     // `find` in a loop: `find_iter` copies the searcher for every call.
     let mut from = 0;
     while let Some(at) = key.find(&data[from..]) {
@@ -841,6 +840,59 @@ fn has_usage_object(data: &[u8]) -> bool {
         from = after - 1;
     }
     false
+}
+
+/// The searcher for the `"usage"` key.
+fn usage_key() -> &'static memchr::memmem::Finder<'static> {
+    static KEY: OnceLock<memchr::memmem::Finder<'static>> = OnceLock::new();
+    KEY.get_or_init(|| memchr::memmem::Finder::new(b"\"usage\""))
+}
+
+/// Whether raw SSE bytes (`data:` prefixes and line ends included) may hold a usage object
+/// once an event's data lines are joined: a `"usage"` key followed, on its own line, by
+/// `:` and `{`, or by a line end before its value (the value may then be on the next data
+/// line). `false` means no event in `s` can have one, so [`has_usage_object`] is false for
+/// every event's joined data: a `"usage"` in the joined data lies within one data line
+/// (the join puts a `\n` between lines), and so do the bytes up to its value.
+fn may_hold_usage_object(s: &[u8]) -> bool {
+    let blanks = |mut i: usize| {
+        while matches!(s.get(i), Some(b' ' | b'\t')) {
+            i += 1;
+        }
+        i
+    };
+    let mut from = 0;
+    while let Some(at) = usage_key().find(&s[from..]) {
+        let after = from + at + 7;
+        match s.get(blanks(after)) {
+            Some(b':') => {
+                let value = blanks(blanks(after) + 1);
+                if matches!(s.get(value), None | Some(b'{' | b'\n' | b'\r')) {
+                    return true;
+                }
+            }
+            None | Some(b'\n' | b'\r') => return true,
+            _ => {}
+        }
+        // The next match may start on this one's closing quote, as in `has_usage_object`.
+        from = after - 1;
+    }
+    false
+}
+
+/// The run of whole events `rest` starts with (between events), up to and including its
+/// last `\n\n`, when the event-by-event path would pass every byte of it unchanged and
+/// capture no usage: it has no `\r` (so its line ends are `\n` alone and `\n\n` ends an
+/// event) and no event in it can hold a usage object ([`may_hold_usage_object`]). One
+/// search over a whole read instead of one per event; streams whose events carry
+/// `"usage":null` (include_usage on) still qualify.
+fn plain_run(rest: &[u8]) -> Option<usize> {
+    let end = memchr::memmem::rfind(rest, b"\n\n")? + 2;
+    let run = &rest[..end];
+    if memchr::memchr(b'\r', run).is_some() || may_hold_usage_object(run) {
+        return None;
+    }
+    Some(end)
 }
 
 fn usage_only_value(v: &Value) -> bool {
@@ -993,6 +1045,13 @@ impl UsageFrameFilter {
             let rest = &chunk[i..];
             match self.state {
                 FState::Idle => {
+                    // Usually the whole read: its complete events, none with a usage
+                    // object, straight to `out` in one copy.
+                    if let Some(n) = plain_run(rest) {
+                        out.extend_from_slice(&rest[..n]);
+                        i += n;
+                        continue;
+                    }
                     // The usual event, one line and its blank line whole in this chunk and no
                     // usage object in it: straight to `out`, not held first (what the held
                     // path would give for it, byte for byte).
@@ -1735,7 +1794,7 @@ mod tests {
         // Random streams of the usual events and odd ones; fed whole, the one-line events
         // take the direct path, fed a byte at a time every event is held: same output,
         // same removals, same usage.
-        const EVENTS: [&str; 10] = [
+        const EVENTS: [&str; 15] = [
             CONTENT1,
             CONTENT2,
             USAGE,
@@ -1746,9 +1805,17 @@ mod tests {
             "data: {\"x\":\"usage\",\"usage\" : {\"prompt_tokens\":3}}\n\n",
             "data: {\"id\":\"c\",\"choices\":[]}\r\n\r\n",
             "\n",
+            // A usage key whose object is on the next data line: no `:{` on the key's
+            // line, but the joined data has one (the run path must leave it to the
+            // event path).
+            "data: {\"choices\":[],\"usage\"\ndata: :{\"prompt_tokens\":4}}\n\n",
+            "data: {\"choices\":[],\"usage\":\ndata: {\"prompt_tokens\":5}}\n\n",
+            "data: {\"choices\":[],\"usage\" \t: \t{\"prompt_tokens\":6}}\n\n",
+            "data: {\"x\":\"\\\"usage\\\"\",\"usage\": null}\n\n",
+            "data: {\"choices\":[],\"usage\"usage\":{\"prompt_tokens\":7}}\n\n",
         ];
         let mut rng = crate::testutil::XorShift::new(9);
-        for _ in 0..500 {
+        for _ in 0..3000 {
             let stream: String = (0..rng.below(12))
                 .map(|_| EVENTS[rng.below(EVENTS.len())])
                 .collect();
@@ -1759,7 +1826,38 @@ mod tests {
             assert_eq!(whole.0, held.0, "{stream:?}");
             assert_eq!(whole.1.removed(), held.1.removed(), "{stream:?}");
             assert_eq!(whole.1.usage(), held.1.usage(), "{stream:?}");
+            // Two pieces: the run path starts wherever the first piece left the filter.
+            let at = rng.below(b.len() + 1);
+            let two = filter_all(&[&b[..at], &b[at..]]);
+            assert_eq!(two.0, held.0, "split at {at} of {stream:?}");
+            assert_eq!(two.1.removed(), held.1.removed(), "{stream:?}");
+            assert_eq!(two.1.usage(), held.1.usage(), "{stream:?}");
         }
+    }
+
+    #[test]
+    fn plain_runs_take_whole_reads_of_usual_events() {
+        // The usual read of a stream with include_usage on: every chunk says
+        // `"usage":null`; the whole of it up to the last blank line is one run.
+        let usual = [CONTENT1, CONTENT1, CONTENT2, DONE].concat();
+        assert_eq!(plain_run(usual.as_bytes()), Some(usual.len()));
+        let cut = format!("{usual}data: {{\"id\"");
+        assert_eq!(plain_run(cut.as_bytes()), Some(usual.len()));
+        // Not a run: a usage object (on its line, or possibly after a line break), a `\r`,
+        // no blank line.
+        for s in [
+            [CONTENT1, USAGE, DONE].concat(),
+            format!("{CONTENT1}data: {{\"choices\":[],\"usage\"\ndata: :{{}}}}\n\n"),
+            format!("{CONTENT1}data: {{\"usage\":\n\n"),
+            [CONTENT1, "data: {}\r\n\r\n", CONTENT2].concat(),
+            "data: {\"a\":1}\n".to_string(),
+        ] {
+            assert_eq!(plain_run(s.as_bytes()), None, "{s:?}");
+        }
+        // And the run path's output is the event path's: removal still happens after it.
+        let (out, f) = filter_all(&[[CONTENT1, CONTENT2].concat().as_bytes(), USAGE.as_bytes()]);
+        assert_eq!(out, [CONTENT1, CONTENT2].concat().as_bytes());
+        assert_eq!(f.removed(), 1);
     }
 
     #[test]
