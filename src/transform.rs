@@ -848,13 +848,13 @@ fn usage_key() -> &'static memchr::memmem::Finder<'static> {
     KEY.get_or_init(|| memchr::memmem::Finder::new(b"\"usage\""))
 }
 
-/// Whether raw SSE bytes (`data:` prefixes and line ends included) may hold a usage object
-/// once an event's data lines are joined: a `"usage"` key followed, on its own line, by
-/// `:` and `{`, or by a line end before its value (the value may then be on the next data
-/// line). `false` means no event in `s` can have one, so [`has_usage_object`] is false for
-/// every event's joined data: a `"usage"` in the joined data lies within one data line
-/// (the join puts a `\n` between lines), and so do the bytes up to its value.
-fn may_hold_usage_object(s: &[u8]) -> bool {
+/// Where raw SSE bytes (`data:` prefixes and line ends included) may first hold a usage
+/// object once an event's data lines are joined: the start of the first `"usage"` key
+/// followed, on its own line, by `:` and `{`, or by a line end before its value (the value
+/// may then be on the next data line). Before that position [`has_usage_object`] is false
+/// for every whole event's joined data: a `"usage"` in the joined data lies within one data
+/// line (the join puts a `\n` between lines), and so do the bytes up to its value.
+fn first_possible_usage_object(s: &[u8]) -> Option<usize> {
     let blanks = |mut i: usize| {
         while matches!(s.get(i), Some(b' ' | b'\t')) {
             i += 1;
@@ -864,35 +864,35 @@ fn may_hold_usage_object(s: &[u8]) -> bool {
     let mut from = 0;
     while let Some(at) = usage_key().find(&s[from..]) {
         let after = from + at + 7;
-        match s.get(blanks(after)) {
-            Some(b':') => {
-                let value = blanks(blanks(after) + 1);
-                if matches!(s.get(value), None | Some(b'{' | b'\n' | b'\r')) {
-                    return true;
-                }
-            }
-            None | Some(b'\n' | b'\r') => return true,
-            _ => {}
+        let possible = match s.get(blanks(after)) {
+            Some(b':') => matches!(
+                s.get(blanks(blanks(after) + 1)),
+                None | Some(b'{' | b'\n' | b'\r')
+            ),
+            None | Some(b'\n' | b'\r') => true,
+            _ => false,
+        };
+        if possible {
+            return Some(from + at);
         }
         // The next match may start on this one's closing quote, as in `has_usage_object`.
         from = after - 1;
     }
-    false
+    None
 }
 
-/// The run of whole events `rest` starts with (between events), up to and including its
-/// last `\n\n`, when the event-by-event path would pass every byte of it unchanged and
-/// capture no usage: it has no `\r` (so its line ends are `\n` alone and `\n\n` ends an
-/// event) and no event in it can hold a usage object ([`may_hold_usage_object`]). One
-/// search over a whole read instead of one per event; streams whose events carry
-/// `"usage":null` (include_usage on) still qualify.
+/// The run of whole events `rest` starts with (between events) that the event-by-event
+/// path would pass unchanged, capturing no usage: up to and including the last `\n\n`
+/// before the first `\r` (so the run's line ends are `\n` alone and `\n\n` ends an event)
+/// and before the first possible usage object ([`first_possible_usage_object`]). One
+/// search over a whole read instead of one per event; events carrying `"usage":null`
+/// (include_usage on) qualify. `None` when not even one event does.
 fn plain_run(rest: &[u8]) -> Option<usize> {
-    let end = memchr::memmem::rfind(rest, b"\n\n")? + 2;
-    let run = &rest[..end];
-    if memchr::memchr(b'\r', run).is_some() || may_hold_usage_object(run) {
-        return None;
+    let mut limit = first_possible_usage_object(rest).unwrap_or(rest.len());
+    if let Some(r) = memchr::memchr(b'\r', &rest[..limit]) {
+        limit = r;
     }
-    Some(end)
+    Some(memchr::memmem::rfind(&rest[..limit], b"\n\n")? + 2)
 }
 
 fn usage_only_value(v: &Value) -> bool {
@@ -1843,15 +1843,18 @@ mod tests {
         assert_eq!(plain_run(usual.as_bytes()), Some(usual.len()));
         let cut = format!("{usual}data: {{\"id\"");
         assert_eq!(plain_run(cut.as_bytes()), Some(usual.len()));
-        // Not a run: a usage object (on its line, or possibly after a line break), a `\r`,
-        // no blank line.
+        // A run stops before the event that holds a usage object (on its line, or possibly
+        // after a line break) or a `\r`.
         for s in [
             [CONTENT1, USAGE, DONE].concat(),
-            format!("{CONTENT1}data: {{\"choices\":[],\"usage\"\ndata: :{{}}}}\n\n"),
+            format!("{CONTENT1}data: {{\"choices\":[],\"usage\"\ndata: :{{}}}}\n\n{DONE}"),
             format!("{CONTENT1}data: {{\"usage\":\n\n"),
             [CONTENT1, "data: {}\r\n\r\n", CONTENT2].concat(),
-            "data: {\"a\":1}\n".to_string(),
         ] {
+            assert_eq!(plain_run(s.as_bytes()), Some(CONTENT1.len()), "{s:?}");
+        }
+        // No run: the first event is the usage frame, or no event is whole.
+        for s in [[USAGE, CONTENT1].concat(), "data: {\"a\":1}\n".to_string()] {
             assert_eq!(plain_run(s.as_bytes()), None, "{s:?}");
         }
         // And the run path's output is the event path's: removal still happens after it.
