@@ -1045,8 +1045,8 @@ impl UsageFrameFilter {
             let rest = &chunk[i..];
             match self.state {
                 FState::Idle => {
-                    // Usually the whole read: its complete events, none with a usage
-                    // object, straight to `out` in one copy.
+                    // The complete events before the first that may hold a usage object
+                    // (usually the whole read), straight to `out` in one copy.
                     if let Some(n) = plain_run(rest) {
                         out.extend_from_slice(&rest[..n]);
                         i += n;
