@@ -138,6 +138,22 @@ pub(crate) fn flag_pairs<'a>(
     Ok(Some((pairs, quiet)))
 }
 
+/// A subcommand's options ([`flag_pairs`]), each (flag, value) handed to `set`, which
+/// rejects the flags it does not know. `Ok(None)` for `-h`/`--help`; otherwise whether
+/// `--quiet` was given.
+pub(crate) fn each_flag<'a>(
+    it: impl Iterator<Item = &'a String>,
+    mut set: impl FnMut(&str, String) -> Result<(), String>,
+) -> Result<Option<bool>, String> {
+    let Some((pairs, quiet)) = flag_pairs(it)? else {
+        return Ok(None);
+    };
+    for (flag, v) in pairs {
+        set(&flag, v)?;
+    }
+    Ok(Some(quiet))
+}
+
 fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
     let mut it = args.iter();
     match it.next().map(String::as_str) {
@@ -169,12 +185,7 @@ fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
         records: None,
         quiet: false,
     };
-    let Some((pairs, quiet)) = flag_pairs(it)? else {
-        return Ok(None);
-    };
-    o.quiet = quiet;
-    for (flag, v) in pairs {
-        let flag = flag.as_str();
+    let Some(quiet) = each_flag(it, |flag, v| {
         match flag {
             "--target" => o.target = v,
             "--sessions" => o.sessions = num(flag, &v)?,
@@ -202,7 +213,12 @@ fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
             "--records" => o.records = Some(v),
             _ => return Err(format!("unknown argument {flag:?}")),
         }
-    }
+        Ok(())
+    })?
+    else {
+        return Ok(None);
+    };
+    o.quiet = quiet;
     if o.target.is_empty() {
         return Err("--target is required".into());
     }

@@ -26,7 +26,7 @@ use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
 use serde_json::{json, Value};
 
-use crate::{flag_pairs, num, parse_target};
+use crate::{each_flag, num, parse_target};
 
 const USAGE: &str = "\
 usage: warmroute-bench sse --target URL [options]
@@ -110,12 +110,7 @@ fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
         dump_events: None,
         quiet: false,
     };
-    let Some((pairs, quiet)) = flag_pairs(args.iter())? else {
-        return Ok(None);
-    };
-    o.quiet = quiet;
-    for (flag, v) in pairs {
-        let flag = flag.as_str();
+    let Some(quiet) = each_flag(args.iter(), |flag, v| {
         match flag {
             "--target" => o.target = v,
             "--streams" => o.streams = num(flag, &v)?,
@@ -136,7 +131,12 @@ fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
             "--dump-events" => o.dump_events = Some(v),
             _ => return Err(format!("unknown argument {flag:?}")),
         }
-    }
+        Ok(())
+    })?
+    else {
+        return Ok(None);
+    };
+    o.quiet = quiet;
     if o.target.is_empty() {
         return Err("--target is required".into());
     }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::{flag_pairs, num};
+use crate::{each_flag, num};
 
 const USAGE: &str = "\
 usage: warmroute-bench wake-cost [options]
@@ -49,12 +49,7 @@ fn parse(args: &[String]) -> Result<Option<Opts>, String> {
         out: None,
         quiet: false,
     };
-    let Some((pairs, quiet)) = flag_pairs(args.iter())? else {
-        return Ok(None);
-    };
-    o.quiet = quiet;
-    for (flag, v) in pairs {
-        let flag = flag.as_str();
+    let Some(quiet) = each_flag(args.iter(), |flag, v| {
         match flag {
             "--writer-cpu" => o.writer_cpu = num(flag, &v)?,
             "--reader-cpu" => o.reader_cpu = num(flag, &v)?,
@@ -63,7 +58,12 @@ fn parse(args: &[String]) -> Result<Option<Opts>, String> {
             "--out" => o.out = Some(v),
             _ => return Err(format!("unknown option {flag}")),
         }
-    }
+        Ok(())
+    })?
+    else {
+        return Ok(None);
+    };
+    o.quiet = quiet;
     Ok(Some(o))
 }
 
