@@ -827,25 +827,28 @@ fn structural(
 /// Whether `data` holds `"usage"`, JSON whitespace, `:`, whitespace, `{` somewhere (a usage
 /// object, as far as bytes tell). Runs on every SSE event the usage filter sees.
 fn has_usage_object(data: &[u8]) -> bool {
-    let key = usage_key();
-    // `find` in a loop: `find_iter` copies the searcher for every call.
-    let mut from = 0;
-    while let Some(at) = key.find(&data[from..]) {
-        let after = from + at + 7;
-        let colon = skip_ws(data, after);
-        if data.get(colon) == Some(&b':') && data.get(skip_ws(data, colon + 1)) == Some(&b'{') {
-            return true;
-        }
-        // The next match may start on this one's closing quote (`"usage"usage"`).
-        from = after - 1;
-    }
-    false
+    usage_keys(data).any(|at| {
+        let colon = skip_ws(data, at + USAGE_KEY.len());
+        data.get(colon) == Some(&b':') && data.get(skip_ws(data, colon + 1)) == Some(&b'{')
+    })
 }
 
-/// The searcher for the `"usage"` key.
-fn usage_key() -> &'static memchr::memmem::Finder<'static> {
+/// The `"usage"` key, quotes included.
+const USAGE_KEY: &[u8] = b"\"usage\"";
+
+/// Where each `"usage"` key in `data` starts, in order. A match may start on the previous
+/// one's closing quote (`"usage"usage"`), so the search goes on from there.
+fn usage_keys(data: &[u8]) -> impl Iterator<Item = usize> + '_ {
     static KEY: OnceLock<memchr::memmem::Finder<'static>> = OnceLock::new();
-    KEY.get_or_init(|| memchr::memmem::Finder::new(b"\"usage\""))
+    let key = KEY.get_or_init(|| memchr::memmem::Finder::new(USAGE_KEY));
+    // `find` from a position: `find_iter` copies the searcher for every call, and skips
+    // overlapping matches.
+    let mut from = 0;
+    std::iter::from_fn(move || {
+        let at = from + key.find(data.get(from..)?)?;
+        from = at + USAGE_KEY.len() - 1;
+        Some(at)
+    })
 }
 
 /// Where raw SSE bytes (`data:` prefixes and line ends included) may first hold a usage
@@ -861,24 +864,14 @@ fn first_possible_usage_object(s: &[u8]) -> Option<usize> {
         }
         i
     };
-    let mut from = 0;
-    while let Some(at) = usage_key().find(&s[from..]) {
-        let after = from + at + 7;
-        let possible = match s.get(blanks(after)) {
-            Some(b':') => matches!(
-                s.get(blanks(blanks(after) + 1)),
-                None | Some(b'{' | b'\n' | b'\r')
-            ),
+    usage_keys(s).find(|&at| {
+        let after = blanks(at + USAGE_KEY.len());
+        match s.get(after) {
+            Some(b':') => matches!(s.get(blanks(after + 1)), None | Some(b'{' | b'\n' | b'\r')),
             None | Some(b'\n' | b'\r') => true,
             _ => false,
-        };
-        if possible {
-            return Some(from + at);
         }
-        // The next match may start on this one's closing quote, as in `has_usage_object`.
-        from = after - 1;
-    }
-    None
+    })
 }
 
 /// The run of whole events `rest` starts with (between events) that the event-by-event
