@@ -362,16 +362,21 @@ fn a_stream_idle_past_the_idle_timeout_is_cut_and_a_steady_one_is_not() {
     );
 }
 
-/// A peer that reads each request (a JSON body, ending in `}`) and answers 503 after 300 ms.
+/// A peer that answers each proxied request 503 after 300 ms. Its health probes (`GET`) get
+/// a 200 at once: a failed probe bans a peer, and then no request would try it any more.
 fn slow_503_peer() -> std::net::SocketAddr {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     serve_each(l, |mut s| {
         let mut buf = Vec::new();
-        while read_request(&mut s, &mut buf).is_some() {
-            std::thread::sleep(Duration::from_millis(300));
-            let no = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n";
-            if s.write_all(no).is_err() {
+        while let Some(req) = read_request(&mut s, &mut buf) {
+            let resp: &[u8] = if req.starts_with(b"GET ") {
+                b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+            } else {
+                std::thread::sleep(Duration::from_millis(300));
+                b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"
+            };
+            if s.write_all(resp).is_err() {
                 return;
             }
         }
