@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from datetime import datetime, timezone
+from statistics import median
 
 GROUP_TITLES = {
     "pinned": "pinned",
@@ -95,6 +96,7 @@ def flatten(rec):
         "errors": w["errors"],
         "latency_us": lat,
         "cpu_busy_pct": rec.get("cpu_busy_pct", {}),
+        "proc_cpu_ns": rec.get("proc_cpu_ns"),
     }
 
 
@@ -158,11 +160,13 @@ def build_summary(runs, proxy_cpu=None):
     Throughput figures come from the round with the highest req/s (the least disturbed by
     the rest of the machine); every round's req/s is kept alongside.
     """
-    best, rounds, lat, lat_local = {}, {}, {}, {}
+    best, rounds, lat, lat_local, task_us = {}, {}, {}, {}, {}
     for r in runs:
         key = (r["case"], r["party"])
         if r["kind"] == "throughput":
             rounds.setdefault(key, []).append(r["rps"])
+            if r.get("proc_cpu_ns") and r["requests"]:
+                task_us.setdefault(key, []).append(r["proc_cpu_ns"] / 1000 / r["requests"])
             if key not in best or r["rps"] > best[key]["rps"]:
                 best[key] = r
         elif r["kind"] == "latency":
@@ -207,10 +211,14 @@ def build_summary(runs, proxy_cpu=None):
                 "added_c1_local_p50_us": (loc1["latency_us"]["p50"] - direct_lat["latency_us"]["p50"])
                 if loc1 and direct_lat else None,
                 "cpu_busy_pct": t["cpu_busy_pct"],
-                # The pinned proxy's CPU per request on its own core: what a request costs the
-                # proxy whatever caps the throughput (the load core is often the limit).
-                "proxy_cpu_us": (t["cpu_busy_pct"].get(f"cpu{proxy_cpu}", 0) * 1e4 / t["rps"])
+                # The pinned proxy's core's busy time per request (from /proc/stat, sampled at
+                # timer ticks; biased when a quota throttles at those ticks).
+                "core_cpu_us": (t["cpu_busy_pct"].get(f"cpu{proxy_cpu}", 0) * 1e4 / t["rps"])
                 if proxy_cpu is not None and t["group"] == "pinned" and dname != p and t["rps"] else None,
+                # What a request costs the proxy whatever caps the throughput (the load core is
+                # often the limit): its processes' and threads' time on a CPU over each round
+                # (/proc/TID/schedstat) ÷ that round's requests, median over the rounds.
+                "proxy_cpu_us": median(task_us[(case, p)]) if task_us.get((case, p)) else None,
                 "errors": sum(sum(r["errors"].values()) for r in runs if r["case"] == case and r["party"] == p),
                 "non2xx": sum(r["non2xx"] for r in runs if r["case"] == case and r["party"] == p),
             })
@@ -357,6 +365,14 @@ def render_md(args, data):
             f"what a request costs it, not what the load core can drive. The quota stalls a proxy "
             f"that has used its share until the next period, so every party's p99 here is mostly "
             f"those stalls: compare p99 in the uncapped section.")
+    add("- **CPU per request**: *proxy CPU µs/req* is the time the proxy's processes and threads "
+        "spent on a CPU during each round (the first field of `/proc/TID/schedstat`, summed over the "
+        "process, its threads and its descendants before and after the round; the scheduler adds to "
+        "it at every switch, so it is exact) ÷ the round's requests, median over the rounds. It "
+        "includes the kernel's work done in the proxy's context (its sends' loopback delivery, "
+        "softirqs on its core). *core busy µs/req* is the older figure: the pinned proxy's core's "
+        "busy share in `/proc/stat` ÷ req/s in the best round. That split is sampled at timer ticks "
+        "and can misplace time, notably under a CPU quota, which also acts at ticks.")
     add("- **Proxy settings**: nginx `keepalive 64`, `proxy_http_version 1.1`, "
         "`proxy_set_header Connection \"\"`, `proxy_buffering off`, X-Forwarded-For/X-Real-IP/"
         "X-Forwarded-Proto set, `/bench/` prefix stripped (nginx + Lua: the same, the peer chosen "
@@ -390,8 +406,8 @@ def render_md(args, data):
         add(f"| party | placement | req/s (c{s['conns']}) | rounds (k req/s) | p50 ms | p99 ms | "
             "+p50 vs direct | p50 ms (c1) | p99 ms (c1) | +p50 vs direct (c1) | "
             "p50 ms (c1, one core) | +p50 vs direct (c1, one core) | cpu0 / cpu1 busy % | "
-            "proxy CPU µs/req | errors / non-2xx |")
-        add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+            "core busy µs/req | proxy CPU µs/req | errors / non-2xx |")
+        add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
         for r in c["rows"]:
             rr = " / ".join(f"{v / 1000:.1f}" for v in r["rps_rounds"])
             floor = " ⚠" if r["c1_p50_us"] is not None and r["c1_p50_us"] >= FLOOR_US else ""
@@ -399,7 +415,8 @@ def render_md(args, data):
                 f"{ms(r['p50_us'])} | {ms(r['p99_us'])} | {plus_ms(r['added_p50_us'])} | "
                 f"{ms(r['c1_p50_us'])}{floor} | {ms(r['c1_p99_us'])} | {plus_ms(r['added_c1_p50_us'])} | "
                 f"{ms(r.get('c1_local_p50_us'))} | {plus_ms(r.get('added_c1_local_p50_us'))} | "
-                f"{busy(r['cpu_busy_pct'])} | {us1(r.get('proxy_cpu_us'))} | {r['errors']} / {r['non2xx']} |")
+                f"{busy(r['cpu_busy_pct'])} | {us1(r.get('core_cpu_us'))} | {us1(r.get('proxy_cpu_us'))} | "
+                f"{r['errors']} / {r['non2xx']} |")
         add("")
         floors = [r["party"] for r in c["rows"] if r["c1_p50_us"] is not None and r["c1_p50_us"] >= FLOOR_US]
         if floors:
