@@ -52,6 +52,17 @@ function init(args)
   nreqs = sessions
 end
 
+-- WRK_DELAY_MS set: every connection waits that long after each response before its next
+-- request (wrk's delay() hook), so the offered load is about connections / (delay + latency)
+-- whatever the proxy could take: latency at equal load. Unset: no delay() at all, as wrk's
+-- own closed loop.
+local think_ms = tonumber(os.getenv("WRK_DELAY_MS") or "")
+if think_ms then
+  function delay()
+    return think_ms
+  end
+end
+
 function request()
   idx = idx % nreqs + 1
   return reqs[idx]
