@@ -385,8 +385,8 @@ def render_md(args, data):
         "spent on a CPU during each round (the first field of `/proc/TID/schedstat`, summed over the "
         "process, its threads and its descendants before and after the round; the scheduler adds to "
         "it at every switch, so it is exact) ÷ the round's requests, median over the rounds. It "
-        "includes the kernel's work done in the proxy's context (its sends' loopback delivery, "
-        "softirqs on its core). *core busy µs/req* is the older figure: the pinned proxy's core's "
+        "includes the kernel's work done in the proxy's context (the loopback delivery of what it "
+        "sends, softirqs run while it is on a CPU). *core busy µs/req* is the older figure: the pinned proxy's core's "
         "busy share in `/proc/stat` ÷ req/s in the best round. That split is sampled at timer ticks "
         "and can misplace time, notably under a CPU quota, which also acts at ticks.")
     add("- **Proxy settings**: nginx `keepalive 64`, `proxy_http_version 1.1`, "
@@ -445,8 +445,9 @@ def render_md(args, data):
                 f"wrk's `delay()`), so each party is offered about the same rate and none is "
                 f"saturated; medians over {max(r.get('paced_rounds') or 0 for r in c['rows'])} rounds "
                 f"(one per round, after its throughput run). At saturation the closed loop's latency "
-                f"is mostly queueing behind the slowest stage, here the load core; this is the proxy's "
-                f"own.")
+                f"is mostly queueing behind the slowest stage "
+                f"({'the quota' if quota else 'the load core, in the pinned placement'}); here no "
+                f"stage is saturated, so the differences between parties are the proxies' own.")
             add("")
             add("| party | placement | req/s | p50 ms | p99 ms | p99.9 ms |")
             add("|---|---|---:|---:|---:|---:|")
