@@ -1162,6 +1162,28 @@ fn slot_lookup<'a>(
 // Free functions
 // ---------------------------------------------------------------------------------------------
 
+/// The calling thread's CPU time in nanoseconds (`CLOCK_THREAD_CPUTIME_ID`), `None` if the
+/// clock cannot be read.
+///
+/// This clock has no vDSO path: every call enters the kernel, which brings the thread's
+/// run time up to date (`update_curr`) before it answers. That is also where a CPU quota
+/// (a cgroup's `cpu.max`, `docker --cpus`, a Kubernetes CPU limit) is charged: a thread
+/// that never blocks is otherwise charged only at the next timer tick, overruns its quota
+/// by up to a tick, and pays the overrun back as a longer stall in the next period.
+pub fn thread_cpu_time_ns() -> Option<u64> {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable `timespec` for the duration of the call, which
+    // only writes through the pointer; the clock id is a constant the kernel knows.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return None;
+    }
+    Some(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
+}
+
 /// Wall-clock milliseconds since the Unix epoch (shared meaning across processes).
 pub fn now_ms() -> u64 {
     SystemTime::now()

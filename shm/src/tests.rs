@@ -762,3 +762,43 @@ fn the_soft_fd_limit_is_raised_to_the_hard_one() {
         assert!(set_nofile_soft(hard + 1).is_err());
     }
 }
+
+/// This thread's run time as the scheduler last charged it (`/proc/thread-self/schedstat`,
+/// first field), which a plain read does not bring up to date.
+fn charged_run_time_ns() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    s.split_whitespace().next()?.parse().ok()
+}
+
+#[test]
+fn reading_the_thread_cpu_clock_charges_the_run_time() {
+    if charged_run_time_ns().is_none() {
+        eprintln!("no /proc/thread-self/schedstat on this kernel: nothing to compare with");
+        return;
+    }
+    let first = thread_cpu_time_ns().expect("the thread CPU clock reads");
+    // Busy for a while without blocking, as a loaded worker is.
+    let spin = Instant::now();
+    let mut x = 0u64;
+    while spin.elapsed() < Duration::from_millis(30) {
+        x = hint::black_box(x.wrapping_add(1));
+    }
+    let before = charged_run_time_ns().unwrap();
+    if before == 0 {
+        // 30 ms of spinning crossed several ticks: zero means the kernel keeps no counts.
+        eprintln!("scheduler statistics are off on this kernel: nothing to compare with");
+        return;
+    }
+    let now = thread_cpu_time_ns().expect("the thread CPU clock reads");
+    let after = charged_run_time_ns().unwrap();
+    // Control: what was charged before the read lags the clock (it was last brought up to
+    // date at a tick or a switch, and the thread has run since).
+    assert!(before < now, "{before} !< {now}");
+    // The read charged the time up to its own answer.
+    assert!(after >= now, "charged {after} < clock {now}");
+    // And the clock is this thread's CPU time: the spin is in it, a sleep is not.
+    assert!(now - first >= 20_000_000, "{first} -> {now}");
+    std::thread::sleep(Duration::from_millis(50));
+    let slept = thread_cpu_time_ns().unwrap();
+    assert!(slept - now < 20_000_000, "{now} -> {slept} across a sleep");
+}

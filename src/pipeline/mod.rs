@@ -847,6 +847,7 @@ async fn proxy(
                     let end = Instant::now();
                     // The next head's idle wait counts from here too.
                     conn.idle_since = Some(end);
+                    crate::worker::quota::settle(end);
                     // Worked out only for a sample to record (most JSON responses have none).
                     let end_s = || ctx.wall.ms_at(end) / 1000;
                     if let (true, Some(f)) = (sse, first) {

@@ -417,6 +417,7 @@ pub async fn relay(
         };
         pending = slice.into_inner();
         read_at = Instant::now();
+        crate::worker::quota::settle(read_at);
         match res {
             Ok(0) | Err(_) => {
                 if let Tracker::UntilClose = tracker {

@@ -9,6 +9,7 @@
 mod ctx;
 mod listen;
 mod notify;
+pub mod quota;
 
 use std::io;
 use std::net::{SocketAddr, TcpListener};
