@@ -328,6 +328,8 @@ async fn proxy(
     entry: Entry<'_>,
 ) -> bool {
     let started = Instant::now();
+    // Every request, refused ones too: a flood of refusals keeps a worker busy as well.
+    crate::worker::quota::settle(started);
     let keep_client = head.keep_alive && !ctx.drain.is_fired();
     let seg = &*ctx.shared.seg;
 
@@ -847,7 +849,6 @@ async fn proxy(
                     let end = Instant::now();
                     // The next head's idle wait counts from here too.
                     conn.idle_since = Some(end);
-                    crate::worker::quota::settle(end);
                     // Worked out only for a sample to record (most JSON responses have none).
                     let end_s = || ctx.wall.ms_at(end) / 1000;
                     if let (true, Some(f)) = (sse, first) {
