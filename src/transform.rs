@@ -98,7 +98,7 @@ pub fn apply_with_facts(
     opts: &TransformOptions,
 ) -> Option<(Option<Vec<u8>>, TransformReport)> {
     if opts.messages_path
-        || (opts.cch_strip && cch_marker().is_match(body))
+        || (opts.cch_strip && has_cch_marker(body))
         || (opts.kimi_normalize && facts.model.is_some_and(|m| KIMI_MODELS.contains(&m)))
     {
         return None;
@@ -144,7 +144,7 @@ pub fn apply_parsed(
         return structural(v, opts, rep);
     }
 
-    let want_cch = opts.cch_strip && cch_marker().is_match(body);
+    let want_cch = opts.cch_strip && has_cch_marker(body);
     let kimi_map = if opts.kimi_normalize && is_kimi_model(v) {
         kimi_id_map(v)
     } else {
@@ -274,9 +274,13 @@ fn kimi_id_map(v: &Value) -> HashMap<String, String> {
     map
 }
 
-fn cch_marker() -> &'static BytesRegex {
-    static R: OnceLock<BytesRegex> = OnceLock::new();
-    R.get_or_init(|| BytesRegex::new("x-anthropic-billing-header:").expect("valid regex"))
+/// The body holds Claude Code's billing prefix somewhere (a plain substring search: every
+/// body with a transform on passes through it).
+fn has_cch_marker(body: &[u8]) -> bool {
+    static F: OnceLock<memchr::memmem::Finder<'static>> = OnceLock::new();
+    F.get_or_init(|| memchr::memmem::Finder::new(b"x-anthropic-billing-header:"))
+        .find(body)
+        .is_some()
 }
 
 /// The billing prefix on the raw (still JSON-escaped) bytes of a string value.

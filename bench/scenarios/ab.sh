@@ -7,8 +7,9 @@
 #              (A then B in odd rounds, B then A in even ones), under a CPU quota of
 #              BENCH_PROXY_QUOTA percent of a core (default 50: the proxy, not the load core,
 #              is then the limit, so req/s follows the proxy's CPU per request). Prints each
-#              round and the median of B/A over rounds; writes bench/out/ab-TS.json. No section
-#              of RESULTS.md: the notes quote it with its command.
+#              round's req/s and p99 and the medians of B/A over rounds (p99 under a quota is
+#              mostly how long the quota stalls the proxy); writes bench/out/ab-TS.json. No
+#              section of RESULTS.md: the notes quote it with its command.
 #              Knobs: AB_A, AB_B, AB_ROUNDS (6), AB_CASE (json or stream, default json),
 #              AB_ID (body, header or none; default body), BENCH_DURATION, BENCH_CONNS.
 #              Example: git worktree add /tmp/prev HEAD~1 && (cd /tmp/prev && cargo build
@@ -60,24 +61,33 @@ scenario_ab() {
 import json, statistics, sys
 res, out, a, b, case, quota, git = sys.argv[1:8]
 rps = {"wr-A": {}, "wr-B": {}}
+p99 = {"wr-A": {}, "wr-B": {}}
 for line in open(res):
     r = json.loads(line)
     if r["kind"] == "throughput":
         rps[r["party"]][r["round"]] = r["wrk"]["requests"] / (r["wrk"]["duration_us"] / 1e6)
+        p99[r["party"]][r["round"]] = r["wrk"]["latency_us"]["p99"]
 rounds = sorted(set(rps["wr-A"]) & set(rps["wr-B"]))
 ratios = [rps["wr-B"][i] / rps["wr-A"][i] for i in rounds]
+p99_ratios = [p99["wr-B"][i] / p99["wr-A"][i] for i in rounds if p99["wr-A"][i] > 0]
 for i, q in zip(rounds, ratios):
-    print(f"  round {i}: A {rps['wr-A'][i]:9.0f}  B {rps['wr-B'][i]:9.0f} req/s  B/A {q:.3f}")
+    print(f"  round {i}: A {rps['wr-A'][i]:9.0f}  B {rps['wr-B'][i]:9.0f} req/s  B/A {q:.3f}"
+          f"   p99 A {p99['wr-A'][i] / 1000:6.3f}  B {p99['wr-B'][i] / 1000:6.3f} ms")
+def med(v):
+    return round(statistics.median(v), 4) if v else None
 summary = {
     "a": a, "b": b, "case": case, "proxy_quota_pct": int(quota), "git": git,
-    "rounds": [{"round": i, "a_rps": rps["wr-A"][i], "b_rps": rps["wr-B"][i]} for i in rounds],
-    "median_b_over_a": round(statistics.median(ratios), 4) if ratios else None,
+    "rounds": [{"round": i, "a_rps": rps["wr-A"][i], "b_rps": rps["wr-B"][i],
+                "a_p99_us": p99["wr-A"][i], "b_p99_us": p99["wr-B"][i]} for i in rounds],
+    "median_b_over_a": med(ratios),
     "min_b_over_a": round(min(ratios), 4) if ratios else None,
     "max_b_over_a": round(max(ratios), 4) if ratios else None,
+    "median_p99_b_over_a": med(p99_ratios),
 }
 json.dump(summary, open(out, "w"), indent=2)
 print(f"  B/A median {summary['median_b_over_a']} (min {summary['min_b_over_a']}, max {summary['max_b_over_a']}) "
-      f"over {len(ratios)} rounds, {case}, proxies capped at {quota}% of a core")
+      f"over {len(ratios)} rounds, {case}, proxies capped at {quota}% of a core; "
+      f"p99 B/A median {summary['median_p99_b_over_a']}")
 EOF
   log "results: $json_out"
 }

@@ -1179,7 +1179,9 @@ fn account_usage(seg: &Segment, route: &RouteRt, peer: &PeerRt, u: &crate::trans
             Some(1),
         ),
     ] {
-        if let Some(v) = v {
+        // Adding zero changes nothing and would still cost two atomic writes to shared lines
+        // (`cached_tokens` is 0 on every cold turn).
+        if let Some(v) = v.filter(|&v| v > 0) {
             seg.route_cell(route.slot, rc).fetch_add(v, Relaxed);
             seg.peer_cell(peer.slot, pc).fetch_add(v, Relaxed);
         }
