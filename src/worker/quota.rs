@@ -9,7 +9,8 @@
 //! to date (`warmroute_shm::thread_cpu_time_ns`), so the quota stops the worker within
 //! [`SETTLE_EVERY`] of running out and the stalls stay as long as the quota says.
 //!
-//! Measured in `bench/` (a 50% quota, wrk `-c32`): p99 7.3 → 5.7 ms, req/s unchanged.
+//! Measured with `bench/run ab` (a 50% quota, wrk `-c32`, 8 rounds): p99 7.1 → 5.5 ms, req/s
+//! unchanged (B/A 0.998); the stalls went from 2–8 ms to a steady 5 ms (`bench/RESULTS.md`).
 //! Without a quota the read is a cheap system call, at most once per [`SETTLE_EVERY`] of
 //! busy time (nothing when idle: it is only made from request and stream paths).
 
