@@ -102,10 +102,12 @@ pub fn count(seg: &Segment, slot: RouteSlot, bucket: usize, admitted: bool) {
 
 pub fn add_tokens(seg: &Segment, slot: RouteSlot, bucket: usize, ptok: u64, ctok: u64) {
     let b = bucket.min(BUCKETS_MAX - 1);
-    seg.route_cell(slot, cell::PTOK + b)
-        .fetch_add(ptok, Relaxed);
-    seg.route_cell(slot, cell::CTOK + b)
-        .fetch_add(ctok, Relaxed);
+    // No atomic add of zero (the cached count of every cold turn), as in `account_usage`.
+    for (c, n) in [(cell::PTOK + b, ptok), (cell::CTOK + b, ctok)] {
+        if n > 0 {
+            seg.route_cell(slot, c).fetch_add(n, Relaxed);
+        }
+    }
 }
 
 /// Take a turn-1 probe slot of the current probe window; returns how many came before.
