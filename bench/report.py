@@ -198,6 +198,7 @@ def build_summary(runs, proxy_cpu=None):
             # Pinned proxies only: the -c1 run with the proxy moved onto the load core, against
             # the direct backend's -c1 (which runs on that core anyway).
             loc1 = lat_local.get((case, p))
+            pr = paced.get((case, p), [])
             dname = direct_of.get(t["group"])
             direct = best.get((case, dname)) if dname and dname != p else None
             direct_lat = lat.get((case, dname)) if dname and dname != p else None
@@ -229,11 +230,11 @@ def build_summary(runs, proxy_cpu=None):
                 "proxy_cpu_us": median(task_us[(case, p)]) if task_us.get((case, p)) else None,
                 # The equal-load runs (every connection thinks a fixed time after each
                 # response): medians over the rounds.
-                "paced_rounds": len(paced.get((case, p), [])),
-                "paced_rps": med(paced.get((case, p)), lambda r: r["rps"]),
-                "paced_p50_us": med(paced.get((case, p)), lambda r: r["latency_us"]["p50"]),
-                "paced_p99_us": med(paced.get((case, p)), lambda r: r["latency_us"]["p99"]),
-                "paced_p999_us": med(paced.get((case, p)), lambda r: r["latency_us"].get("p999")),
+                "paced_rounds": len(pr),
+                "paced_rps": med(pr, lambda r: r["rps"]),
+                "paced_p50_us": med(pr, lambda r: r["latency_us"]["p50"]),
+                "paced_p99_us": med(pr, lambda r: r["latency_us"]["p99"]),
+                "paced_p999_us": med(pr, lambda r: r["latency_us"].get("p999")),
                 "errors": sum(sum(r["errors"].values()) for r in runs if r["case"] == case and r["party"] == p),
                 "non2xx": sum(r["non2xx"] for r in runs if r["case"] == case and r["party"] == p),
             })
