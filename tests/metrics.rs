@@ -4,7 +4,7 @@
 mod common;
 
 use std::collections::HashMap;
-use std::io::Write;
+use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -205,6 +205,79 @@ fn metrics_follow_traffic_and_pass_promtool() {
 }
 
 /// `promtool check metrics` exits 0 on the exposition, when promtool is on PATH.
+/// The workers' `warmroute_worker_cpu_seconds_total`, summed.
+fn worker_cpu(env: &Env) -> f64 {
+    scrape(env)
+        .1
+        .iter()
+        .filter(|(k, _)| k.starts_with("warmroute_worker_cpu_seconds_total{"))
+        .map(|(_, v)| *v)
+        .sum()
+}
+
+/// A worker reads its CPU clock (which settles a CPU quota's books, `worker::quota`) at the
+/// start of every proxied request, refused ones included, and after the upstream reads of a
+/// relay; `warmroute_worker_cpu_seconds_total` is what it read. So the series moves with each
+/// of those paths and stays put while the router only answers scrapes.
+#[test]
+fn worker_cpu_is_read_on_the_request_and_relay_paths() {
+    let m = mock("m");
+    let env = start(
+        &[
+            (
+                "locked",
+                route_for(&[m.addr()], "api_keys = { \"k\" = \"kim\" }\n"),
+            ),
+            ("open", route_for(&[m.addr()], "")),
+        ],
+        "",
+    );
+    // Idle, scrapes only: nothing reads the clock (the control for the moves below).
+    let c0 = worker_cpu(&env);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(worker_cpu(&env), c0, "an idle router read its CPU clock");
+
+    // Requests refused before any peer is asked (401, no key): the read at the start of the
+    // request path, and nothing else.
+    for _ in 0..40 {
+        let r = request(
+            env.public(),
+            &post_json("/locked/v1/chat/completions", &chat_body("hi", false), ""),
+        );
+        assert_eq!(r.status, 401);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(m.stats().requests, 0, "the refusals reached the mock");
+    let c1 = worker_cpu(&env);
+    assert!(c1 > c0, "refused requests: {c0} -> {c1}");
+
+    // One stream of 12 events 40 ms apart: its request-path read happens before the first
+    // event; between two later points only the relay's reads can move the series.
+    let mut s = connect(env.public());
+    s.write_all(&post_json(
+        "/open/v1/chat/completions",
+        &chat_body("hi", true),
+        "x-mock-tokens: 12\r\nx-mock-interval-ms: 40\r\n",
+    ))
+    .unwrap();
+    let mut r = BufReader::new(s);
+    let mut events = 0;
+    let mut line = String::new();
+    let mut read_events = |n: usize| {
+        let want = events + n;
+        while events < want {
+            line.clear();
+            assert!(r.read_line(&mut line).unwrap() > 0, "stream ended early");
+            events += usize::from(line.starts_with("data: "));
+        }
+    };
+    read_events(2);
+    let c2 = worker_cpu(&env);
+    read_events(5);
+    let c3 = worker_cpu(&env);
+    assert!(c3 > c2, "during a relay: {c2} -> {c3}");
+}
+
 fn promtool_check(text: &str) {
     let child = Command::new("promtool")
         .args(["check", "metrics"])

@@ -36,7 +36,11 @@ pub fn response(ctx: &WorkerCtx, snap: &Snapshot) -> Response {
         ctx.shared
             .drivers
             .iter()
-            .map(|d| d.load(Ordering::Acquire))
+            .zip(&ctx.shared.cpu_ns)
+            .map(|(d, c)| WorkerView {
+                driver: d.load(Ordering::Acquire),
+                cpu_ns: c.load(Ordering::Relaxed),
+            })
             .collect(),
         ctx.index,
         ctx.access_log.borrow().dropped(),
@@ -57,6 +61,7 @@ const FAMILIES: &[Family] = &[
     build_info,
     workers,
     worker_driver,
+    worker_cpu,
     config_generation,
     access_log_dropped,
     route_requests,
@@ -305,13 +310,21 @@ pub struct PeerView<'a> {
     pub labels: Labels,
 }
 
+/// What a scrape reports of one worker that the segment does not hold.
+pub struct WorkerView {
+    /// An index into `DRIVER_NAMES`.
+    pub driver: usize,
+    /// Its thread's CPU time as of its last quota settle, in nanoseconds.
+    pub cpu_ns: u64,
+}
+
 /// Everything a scrape reads, gathered once.
 pub struct Sources<'a> {
     pub seg: &'a Segment,
     pub snap: &'a Snapshot,
     pub now_ms: u64,
-    /// Per worker, an index into `DRIVER_NAMES`.
-    pub drivers: Vec<usize>,
+    /// Per worker, what the process keeps outside the segment.
+    pub workers: Vec<WorkerView>,
     /// The worker answering this scrape and its own (unshared) access-log drop count.
     pub worker: usize,
     pub access_log_dropped: u64,
@@ -325,7 +338,7 @@ impl<'a> Sources<'a> {
         seg: &'a Segment,
         snap: &'a Snapshot,
         now_ms: u64,
-        drivers: Vec<usize>,
+        workers: Vec<WorkerView>,
         worker: usize,
         access_log_dropped: u64,
     ) -> Sources<'a> {
@@ -366,7 +379,7 @@ impl<'a> Sources<'a> {
             seg,
             snap,
             now_ms,
-            drivers,
+            workers,
             worker,
             access_log_dropped,
             routes,
@@ -405,7 +418,7 @@ fn workers(x: &mut Exposition, s: &Sources) {
         Kind::Gauge,
         "Worker threads configured.",
     )
-    .sample(&Labels::none(), s.drivers.len());
+    .sample(&Labels::none(), s.workers.len());
 }
 
 fn worker_driver(x: &mut Exposition, s: &Sources) {
@@ -414,11 +427,25 @@ fn worker_driver(x: &mut Exposition, s: &Sources) {
         Kind::Gauge,
         "Always 1; the driver label names each worker's I/O driver (io_uring, epoll, or starting).",
     );
-    for (i, &d) in s.drivers.iter().enumerate() {
-        let name = DRIVER_NAMES.get(d).copied().unwrap_or("unknown");
+    for (i, w) in s.workers.iter().enumerate() {
+        let name = DRIVER_NAMES.get(w.driver).copied().unwrap_or("unknown");
         f.sample(
             &Labels::new(&[("worker", &i.to_string()), ("driver", name)]),
             1u64,
+        );
+    }
+}
+
+fn worker_cpu(x: &mut Exposition, s: &Sources) {
+    let mut f = x.family(
+        "warmroute_worker_cpu_seconds_total",
+        Kind::Counter,
+        "CPU time of each worker thread, as the worker last read it: at most 250 us old while it proxies (the read that keeps a CPU quota's books current), unchanged while it is idle.",
+    );
+    for (i, w) in s.workers.iter().enumerate() {
+        f.sample(
+            &Labels::new(&[("worker", &i.to_string())]),
+            w.cpu_ns as f64 / 1e9,
         );
     }
 }
@@ -967,13 +994,20 @@ mod tests {
         (tmp, seg, snap)
     }
 
+    /// Worker views from `(driver, cpu_ns)` pairs.
+    fn views(w: &[(usize, u64)]) -> Vec<WorkerView> {
+        w.iter()
+            .map(|&(driver, cpu_ns)| WorkerView { driver, cpu_ns })
+            .collect()
+    }
+
     #[test]
     fn rejected_family_is_preinitialised_per_gate() {
         let (_t, seg, snap) = fixture();
         let chat = snap.route("chat").unwrap();
         seg.route_cell(chat.slot, cells::route::REJECT_CONCURRENCY)
             .store(5, Relaxed);
-        let src = Sources::new(&seg, &snap, 1, vec![1, 2], 0, 0);
+        let src = Sources::new(&seg, &snap, 1, views(&[(1, 0), (2, 0)]), 0, 0);
         let mut x = Exposition::default();
         route_rejected(&mut x, &src);
         assert_eq!(
@@ -1003,7 +1037,7 @@ mod tests {
             .store(1, Relaxed);
         seg.peer_cell(a.slot, cells::peer::PROBE_LATENCY_US)
             .store(1500, Relaxed);
-        let src = Sources::new(&seg, &snap, 1, vec![1, 2], 1, 3);
+        let src = Sources::new(&seg, &snap, 1, views(&[(1, 1_500_000_000), (2, 0)]), 1, 3);
         let text = render(&src);
         let has = |line: &str| assert!(text.lines().any(|l| l == line), "{line}\n{text}");
         let peer_a = r#"route="chat",model="",peer="a\"q\\b",addr="127.0.0.1:8001",priority="0""#;
@@ -1023,6 +1057,8 @@ mod tests {
         has(r#"warmroute_pool_inflight{route="chat",model=""} 2"#);
         has(r#"warmroute_worker_driver{worker="0",driver="io_uring"} 1"#);
         has(r#"warmroute_worker_driver{worker="1",driver="epoll"} 1"#);
+        has(r#"warmroute_worker_cpu_seconds_total{worker="0"} 1.5"#);
+        has(r#"warmroute_worker_cpu_seconds_total{worker="1"} 0"#);
         has("warmroute_workers 2");
         has("warmroute_config_generation 7");
         has(r#"warmroute_access_log_dropped_total{worker="1"} 3"#);

@@ -43,6 +43,9 @@ pub struct Shared {
     pub started: Instant,
     /// Per-worker driver name ("io_uring" or "epoll"), filled as workers start.
     pub drivers: Vec<AtomicUsize>,
+    /// Per worker, its thread's CPU time in nanoseconds as of its last quota settle
+    /// ([`quota::settle`]); 0 before the first.
+    pub cpu_ns: Vec<AtomicU64>,
 }
 
 impl Shared {
@@ -103,6 +106,7 @@ impl Workers {
             admin_addr,
             started: Instant::now(),
             drivers: (0..n).map(|_| AtomicUsize::new(0)).collect(),
+            cpu_ns: (0..n).map(|_| AtomicU64::new(0)).collect(),
         });
         let cores = if opts.pin {
             core_affinity::get_core_ids().unwrap_or_default()
@@ -185,6 +189,7 @@ fn worker_main(
     let uring = monoio::utils::detect_uring();
     let driver = if uring { "io_uring" } else { "epoll" };
     shared.drivers[idx].store(if uring { 1 } else { 2 }, Ordering::Release);
+    quota::publish_to(shared.clone(), idx);
     let mut rt = match build_runtime(uring) {
         Ok(rt) => rt,
         Err(e) => {

@@ -13,9 +13,15 @@
 //! unchanged (B/A 0.998); the stalls went from 2–8 ms to a steady 5 ms (`bench/RESULTS.md`).
 //! Without a quota the read is a cheap system call, at most once per [`SETTLE_EVERY`] of
 //! busy time (nothing when idle: it is only made from request and stream paths).
+//!
+//! The time read is published as the worker's `warmroute_worker_cpu_seconds_total`.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use super::Shared;
 
 /// The most time that passes between two charges while a worker is busy.
 pub const SETTLE_EVERY: Duration = Duration::from_micros(250);
@@ -23,13 +29,29 @@ pub const SETTLE_EVERY: Duration = Duration::from_micros(250);
 thread_local! {
     /// When this thread last had its CPU time charged.
     static SETTLED_AT: Cell<Option<Instant>> = const { Cell::new(None) };
+    /// Where this thread publishes the CPU time it reads: its worker's [`Shared::cpu_ns`].
+    static PUBLISH: RefCell<Option<(Arc<Shared>, usize)>> = const { RefCell::new(None) };
+}
+
+/// Publish this thread's CPU time, at each settle, as worker `idx`'s.
+pub fn publish_to(shared: Arc<Shared>, idx: usize) {
+    let _ = PUBLISH.try_with(|p| *p.borrow_mut() = Some((shared, idx)));
 }
 
 /// Has the kernel charge this thread's CPU time now if it was last done [`SETTLE_EVERY`] or
 /// more before `now` (a time the caller has already read: no clock read otherwise).
 pub fn settle(now: Instant) {
     settle_with(now, || {
-        let _ = warmroute_shm::thread_cpu_time_ns();
+        let Some(ns) = warmroute_shm::thread_cpu_time_ns() else {
+            return;
+        };
+        let _ = PUBLISH.try_with(|p| {
+            if let Some((shared, idx)) = &*p.borrow() {
+                if let Some(cell) = shared.cpu_ns.get(*idx) {
+                    cell.store(ns, Relaxed);
+                }
+            }
+        });
     });
 }
 
