@@ -258,15 +258,32 @@ fn run_until_signalled(
     mut signals: signal_hook::iterator::Signals,
 ) -> ExitCode {
     let drain_default = Duration::from_secs(router.config.server.drain_timeout_s);
+    // Signals arrive on a thread of their own that blocks until one comes, so this thread
+    // sleeps until a signal or the next look at the files: no polling tick between them.
+    let (tx, rx) = crossbeam_channel::bounded(16);
+    let handle = signals.handle();
+    let forwarder = std::thread::Builder::new()
+        .name("warmroute-signals".into())
+        .spawn(move || {
+            for sig in signals.forever() {
+                if tx.send(sig).is_err() {
+                    break;
+                }
+            }
+        });
+    if let Err(e) = forwarder {
+        tracing::error!(error = %e, "cannot start the signal thread; stopping");
+        router.shutdown(drain_default);
+        return ExitCode::FAILURE;
+    }
     let mut stamp = router.watch_stamp();
-    let mut checked = std::time::Instant::now();
-    loop {
-        // Signals first; between them, poll the files and reload on a change as SIGHUP would.
-        let pending: Vec<i32> = signals.pending().collect();
-        if pending.is_empty() {
-            std::thread::sleep(Duration::from_millis(50));
-            if checked.elapsed() >= WATCH_INTERVAL {
-                checked = std::time::Instant::now();
+    let mut next_check = std::time::Instant::now() + WATCH_INTERVAL;
+    let code = loop {
+        let wait = next_check.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(wait) {
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                // Between signals, poll the files and reload on a change as SIGHUP would.
+                next_check = std::time::Instant::now() + WATCH_INTERVAL;
                 let now = router.watch_stamp();
                 if now != stamp {
                     stamp = now;
@@ -274,27 +291,29 @@ fn run_until_signalled(
                     reload(&mut router);
                 }
             }
-            continue;
-        }
-        for sig in pending {
-            match sig {
-                SIGHUP => {
-                    reload(&mut router);
-                    stamp = router.watch_stamp();
-                }
-                SIGINT => {
-                    tracing::info!("SIGINT: draining (5 s limit)");
-                    router.shutdown(Duration::from_secs(5));
-                    return ExitCode::SUCCESS;
-                }
-                _ => {
-                    tracing::info!(timeout_s = drain_default.as_secs(), "draining");
-                    router.shutdown(drain_default);
-                    return ExitCode::SUCCESS;
-                }
+            Ok(SIGHUP) => {
+                reload(&mut router);
+                stamp = router.watch_stamp();
+            }
+            Ok(SIGINT) => {
+                tracing::info!("SIGINT: draining (5 s limit)");
+                router.shutdown(Duration::from_secs(5));
+                break ExitCode::SUCCESS;
+            }
+            Ok(_) => {
+                tracing::info!(timeout_s = drain_default.as_secs(), "draining");
+                router.shutdown(drain_default);
+                break ExitCode::SUCCESS;
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                tracing::error!("the signal thread stopped; draining");
+                router.shutdown(drain_default);
+                break ExitCode::FAILURE;
             }
         }
-    }
+    };
+    handle.close();
+    code
 }
 
 fn reload(router: &mut Router) {
