@@ -440,7 +440,7 @@ fn worker_cpu(x: &mut Exposition, s: &Sources) {
     let mut f = x.family(
         "warmroute_worker_cpu_seconds_total",
         Kind::Counter,
-        "CPU time of each worker thread, as the worker last read it: at most 250 us old while it proxies (the read that keeps a CPU quota's books current), unchanged while it is idle.",
+        "CPU time of each worker thread as the worker last read it: the request and relay paths read it at most every 250 us (the read that keeps a CPU quota's books current); idle time and admin requests do not update it.",
     );
     for (i, w) in s.workers.iter().enumerate() {
         f.sample(
