@@ -204,7 +204,6 @@ fn metrics_follow_traffic_and_pass_promtool() {
     promtool_check(&text);
 }
 
-/// `promtool check metrics` exits 0 on the exposition, when promtool is on PATH.
 /// The workers' `warmroute_worker_cpu_seconds_total`, summed.
 fn worker_cpu(env: &Env) -> f64 {
     scrape(env)
@@ -278,6 +277,7 @@ fn worker_cpu_is_read_on_the_request_and_relay_paths() {
     assert!(c3 > c2, "during a relay: {c2} -> {c3}");
 }
 
+/// `promtool check metrics` exits 0 on the exposition, when promtool is on PATH.
 fn promtool_check(text: &str) {
     let child = Command::new("promtool")
         .args(["check", "metrics"])
