@@ -46,8 +46,8 @@ pub fn settle(now: Instant) {
             return;
         };
         let _ = PUBLISH.try_with(|p| {
-            if let Some((shared, idx)) = &*p.borrow() {
-                if let Some(cell) = shared.cpu_ns.get(*idx) {
+            if let Ok(p) = p.try_borrow() {
+                if let Some(cell) = p.as_ref().and_then(|(shared, i)| shared.cpu_ns.get(*i)) {
                     cell.store(ns, Relaxed);
                 }
             }
