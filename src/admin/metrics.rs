@@ -34,12 +34,11 @@ pub fn response(ctx: &WorkerCtx, snap: &Snapshot) -> Response {
         snap,
         warmroute_shm::now_ms(),
         ctx.shared
-            .drivers
+            .per_worker
             .iter()
-            .zip(&ctx.shared.cpu_ns)
-            .map(|(d, c)| WorkerView {
-                driver: d.load(Ordering::Acquire),
-                cpu_ns: c.load(Ordering::Relaxed),
+            .map(|w| WorkerView {
+                driver: w.driver.load(Ordering::Acquire),
+                cpu_ns: w.cpu_ns.load(Ordering::Relaxed),
             })
             .collect(),
         ctx.index,

@@ -41,11 +41,18 @@ pub struct Shared {
     pub public_addr: SocketAddr,
     pub admin_addr: SocketAddr,
     pub started: Instant,
-    /// Per-worker driver name ("io_uring" or "epoll"), filled as workers start.
-    pub drivers: Vec<AtomicUsize>,
-    /// Per worker, its thread's CPU time in nanoseconds as of its last quota settle
+    /// What each worker publishes about itself, by worker index.
+    pub per_worker: Vec<WorkerCells>,
+}
+
+/// What one worker publishes about itself outside the segment.
+#[derive(Default)]
+pub struct WorkerCells {
+    /// Its driver, an index into [`DRIVER_NAMES`] ("io_uring" or "epoll"), set as it starts.
+    pub driver: AtomicUsize,
+    /// Its thread's CPU time in nanoseconds as of its last quota settle
     /// ([`quota::settle`]); 0 before the first.
-    pub cpu_ns: Vec<AtomicU64>,
+    pub cpu_ns: AtomicU64,
 }
 
 impl Shared {
@@ -105,8 +112,7 @@ impl Workers {
             public_addr,
             admin_addr,
             started: Instant::now(),
-            drivers: (0..n).map(|_| AtomicUsize::new(0)).collect(),
-            cpu_ns: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            per_worker: (0..n).map(|_| WorkerCells::default()).collect(),
         });
         let cores = if opts.pin {
             core_affinity::get_core_ids().unwrap_or_default()
@@ -188,7 +194,9 @@ fn worker_main(
     }
     let uring = monoio::utils::detect_uring();
     let driver = if uring { "io_uring" } else { "epoll" };
-    shared.drivers[idx].store(if uring { 1 } else { 2 }, Ordering::Release);
+    shared.per_worker[idx]
+        .driver
+        .store(if uring { 1 } else { 2 }, Ordering::Release);
     quota::publish_to(shared.clone(), idx);
     let mut rt = match build_runtime(uring) {
         Ok(rt) => rt,

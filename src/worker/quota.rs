@@ -29,7 +29,8 @@ pub const SETTLE_EVERY: Duration = Duration::from_micros(250);
 thread_local! {
     /// When this thread last had its CPU time charged.
     static SETTLED_AT: Cell<Option<Instant>> = const { Cell::new(None) };
-    /// Where this thread publishes the CPU time it reads: its worker's [`Shared::cpu_ns`].
+    /// Where this thread publishes the CPU time it reads: its worker's
+    /// [`WorkerCells::cpu_ns`](super::WorkerCells::cpu_ns).
     static PUBLISH: RefCell<Option<(Arc<Shared>, usize)>> = const { RefCell::new(None) };
 }
 
@@ -47,8 +48,8 @@ pub fn settle(now: Instant) {
         };
         let _ = PUBLISH.try_with(|p| {
             if let Ok(p) = p.try_borrow() {
-                if let Some(cell) = p.as_ref().and_then(|(shared, i)| shared.cpu_ns.get(*i)) {
-                    cell.store(ns, Relaxed);
+                if let Some(w) = p.as_ref().and_then(|(shared, i)| shared.per_worker.get(*i)) {
+                    w.cpu_ns.store(ns, Relaxed);
                 }
             }
         });
