@@ -183,7 +183,7 @@ def build_summary(runs, proxy_cpu=None):
             lat_local[key] = r
     direct_of = {"pinned": "direct", "shared": "direct-shared"}
     cases = []
-    for case in ("json", "stream"):
+    for case in ("json", "stream", "prompt"):
         parties = []
         for r in runs:
             if r["case"] == case and r["kind"] == "throughput" and r["party"] not in parties:
@@ -331,6 +331,8 @@ def render_md(args, data):
     case_titles = {
         "json": "Non-streaming (POST JSON → `application/json` reply)",
         "stream": "Streaming (POST JSON with `\"stream\":true` → SSE reply of many small events)",
+        "prompt": "Non-streaming with a realistic prompt (POST of a 50 KB JSON conversation — 40 turns "
+                  "of prose and code, an escape every ~27 bytes — → `application/json` reply)",
     }
     ref = {p["case"]: p for p in data["preflight"] if p["party"] == "direct"}
     jb = ref.get("json", {}).get("bytes", "?")
@@ -650,7 +652,7 @@ def main():
     ap.add_argument("--load-cpu", default="1")
     ap.add_argument("--sessions", type=int, default=64)
     ap.add_argument("--parties", default="")
-    ap.add_argument("--cases", default="json stream")
+    ap.add_argument("--cases", default="json stream prompt")
     ap.add_argument("--router-versions", default="")
     ap.add_argument("--lua-module-dir", default="")
     ap.add_argument("--target-dir", default="target")

@@ -4,7 +4,9 @@
 --   wrk -t1 -c32 -d10s --latency -s bench/wrk/chat.lua http://127.0.0.1:PORT -- PATH MODE [SESSIONS] [ID] [HEADER]
 --
 -- PATH      request path (e.g. /bench/v1/chat/completions or /v1/chat/completions)
--- MODE      "json" (non-streaming) or "stream" ("stream":true and Accept: text/event-stream)
+-- MODE      "json" (non-streaming), "stream" ("stream":true and Accept: text/event-stream) or
+--           "prompt" (non-streaming, with a realistic prompt: 40 earlier turns of prose and
+--           code, about 50 KB of JSON with an escape every ~27 bytes; see prompt_messages)
 -- SESSIONS  number of rotating session ids (default 64)
 -- ID        where the session id goes: "header" (the HEADER below, default), "body"
 --           (metadata.session_id in the JSON body, no header) or "none" (no id at all)
@@ -19,9 +21,27 @@ local reqs = {}
 local nreqs = 0
 local idx = 0
 
+-- The "messages" of a long conversation about code, as a coding assistant sends them: 40
+-- turns of about 1.2 KB each, prose and a code block, so the JSON holds an escape (\n, \")
+-- every ~27 bytes. Session `i` changes the text a little so no two bodies are the same.
+local function prompt_messages(i)
+  local turns = {}
+  for t = 1, 40 do
+    local role = (t % 2 == 1) and "user" or "assistant"
+    local block = string.format(
+      "Turn %d of session %d: the handler below reads the id before the body.\\n```rust\\n" ..
+      "fn handle(req: &Request) -> Result<Response> {\\n    let id = req.header(\\\"x-session-id\\\");\\n" ..
+      "    let body = req.body()?;\\n    route(id, body)\\n}\\n```\\nIt falls back to the body " ..
+      "when the header is missing, and logs \\\"no id\\\" otherwise. ", t, i)
+    turns[#turns + 1] = string.format('{"role":"%s","content":"%s"}', role, string.rep(block, 4))
+  end
+  return "[" .. table.concat(turns, ",") .. "]"
+end
+
 function init(args)
   local path = args[1] or "/v1/chat/completions"
   local stream = (args[2] == "stream")
+  local prompt = (args[2] == "prompt")
   local sessions = tonumber(args[3] or "64")
   local where = args[4] or "header"
   local header = args[5] or "X-Session-ID"
@@ -36,9 +56,13 @@ function init(args)
     if where == "body" then
       meta = string.format(',"metadata":{"session_id":"%s"}', sid)
     end
-    local body = string.format(
-      '{"model":"m","messages":[{"role":"user","content":"bench session %d: reply with eight tokens"}],"max_tokens":8%s%s}',
-      i, stream and ',"stream":true' or "", meta)
+    local messages = string.format(
+      '[{"role":"user","content":"bench session %d: reply with eight tokens"}]', i)
+    if prompt then
+      messages = prompt_messages(i)
+    end
+    local body = string.format('{"model":"m","messages":%s,"max_tokens":8%s%s}',
+      messages, stream and ',"stream":true' or "", meta)
     local headers = {
       ["Host"] = host,
       ["Content-Type"] = "application/json",
