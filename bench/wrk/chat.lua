@@ -22,7 +22,7 @@ local nreqs = 0
 local idx = 0
 
 -- The "messages" of a long conversation about code, as a coding assistant sends them: 40
--- turns of about 1.2 KB each, prose and a code block, so the JSON holds an escape (\n, \")
+-- turns of about 1.3 KB each, prose and a code block, so the JSON holds an escape (\n, \")
 -- every ~27 bytes. Session `i` changes the text a little so no two bodies are the same.
 local function prompt_messages(i)
   local turns = {}
