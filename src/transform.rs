@@ -84,6 +84,10 @@ pub struct BodyFacts<'a> {
     pub stream: bool,
     /// The object has a `stream_options` member (any value).
     pub has_stream_options: bool,
+    /// Whether a string value starts with [`CCH_MARKER`], when known (`None`: search the
+    /// body for it). Only such strings are edited on this path, so `Some(false)` spares the
+    /// search.
+    pub billing_prefix: Option<bool>,
 }
 
 /// [`apply`] for an object body whose `facts` the caller has, without decoding it into a
@@ -98,7 +102,7 @@ pub fn apply_with_facts(
     opts: &TransformOptions,
 ) -> Option<(Option<Vec<u8>>, TransformReport)> {
     if opts.messages_path
-        || (opts.cch_strip && has_cch_marker(body))
+        || (opts.cch_strip && facts.billing_prefix.unwrap_or_else(|| has_cch_marker(body)))
         || (opts.kimi_normalize && facts.model.is_some_and(|m| KIMI_MODELS.contains(&m)))
     {
         return None;
@@ -274,11 +278,15 @@ fn kimi_id_map(v: &Value) -> HashMap<String, String> {
     map
 }
 
+/// The start of Claude Code's billing prefix; `cch_strip` removes the prefix where a string
+/// value starts with it (raw bytes, [`cch_raw`]).
+pub const CCH_MARKER: &[u8] = b"x-anthropic-billing-header:";
+
 /// The body holds Claude Code's billing prefix somewhere (a plain substring search: every
-/// body with a transform on passes through it).
+/// body with a transform on passes through it, unless its facts already tell).
 fn has_cch_marker(body: &[u8]) -> bool {
     static F: OnceLock<memchr::memmem::Finder<'static>> = OnceLock::new();
-    F.get_or_init(|| memchr::memmem::Finder::new(b"x-anthropic-billing-header:"))
+    F.get_or_init(|| memchr::memmem::Finder::new(CCH_MARKER))
         .find(body)
         .is_some()
 }
@@ -1919,12 +1927,15 @@ mod tests {
         assert_eq!(f.usage().unwrap()["completion_tokens"], 3);
     }
 
-    /// The facts of an object body, read the way the router's body pass reads them.
-    fn facts_of(v: &Value) -> BodyFacts<'_> {
+    /// The facts of an object body, read the way the router's body pass reads them
+    /// (`billing_prefix` as the router's body scan finds it).
+    fn facts_of<'a>(v: &'a Value, body: &str) -> BodyFacts<'a> {
         BodyFacts {
             model: v.get("model").and_then(Value::as_str),
             stream: v.get("stream") == Some(&Value::Bool(true)),
             has_stream_options: v.get("stream_options").is_some(),
+            billing_prefix: crate::pipeline::session_id::parse_body(body.as_bytes())
+                .and_then(|f| f.billing_prefix),
         }
     }
 
@@ -1943,11 +1954,27 @@ mod tests {
             r#"{"model":"m","stream":true,"messages":[{"role":"system","content":"x-anthropic-billing-header: cc_version=1; cch=ab;"}]}"#,
             r#"{"model":"m","stream":true,"messages":[{"role":"system","content":"s"}]}"#,
             r#"{"stream":true,"model":"m","stream":false}"#,
+            // The billing prefix that is stripped: in a content string and in a text part.
+            r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"x-anthropic-billing-header: cc_version=2; cc_entrypoint=cli; cch=ab; hi"}]}"#,
+            r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"x-anthropic-billing-header:cc_version=1;cc_entrypoint=sdk;cch=00;"}]}]}"#,
+            // ... and where nothing is stripped: mid-string, and the value of another key.
+            r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"see x-anthropic-billing-header: cc_version=2; cc_entrypoint=cli; cch=ab;"}]}"#,
+            r#"{"model":"m","metadata":{"note":"x-anthropic-billing-header: cc_version=2; cc_entrypoint=cli; cch=ab;"}}"#,
         ];
         let mut decided = 0;
         let mut injected = 0;
+        let mut spared = 0;
         for body in bodies {
             let v: Value = serde_json::from_str(body).unwrap();
+            let scanned = facts_of(&v, body);
+            assert!(
+                scanned.billing_prefix.is_some(),
+                "the byte scan reads {body}"
+            );
+            let searched = BodyFacts {
+                billing_prefix: None,
+                ..scanned
+            };
             for bits in 0..16u8 {
                 let opts = TransformOptions {
                     cch_strip: bits & 1 != 0,
@@ -1955,15 +1982,25 @@ mod tests {
                     include_usage: bits & 4 != 0,
                     messages_path: bits & 8 != 0,
                 };
-                if let Some(quick) = apply_with_facts(body.as_bytes(), &facts_of(&v), &opts) {
+                let tree = apply(body.as_bytes(), &opts);
+                let by_search = apply_with_facts(body.as_bytes(), &searched, &opts);
+                let by_scan = apply_with_facts(body.as_bytes(), &scanned, &opts);
+                for quick in [&by_search, &by_scan].into_iter().flatten() {
                     decided += 1;
                     injected += usize::from(quick.1.usage_injected);
-                    assert_eq!(quick, apply(body.as_bytes(), &opts), "{body} {opts:?}");
+                    assert_eq!(quick, &tree, "{body} {opts:?}");
                 }
+                // The scan's answer spares the search where the marker is in the body but
+                // starts no string.
+                spared += usize::from(by_search.is_none() && by_scan.is_some());
             }
         }
-        // Not vacuous: the facts decide most cases, the injection among them.
-        assert!(decided > 60 && injected >= 8, "{decided} {injected}");
+        // Not vacuous: the facts decide most cases, the injection among them, and the
+        // scanned prefix decides some the search cannot.
+        assert!(
+            decided > 120 && injected >= 16 && spared >= 4,
+            "{decided} {injected} {spared}"
+        );
     }
 
     #[test]

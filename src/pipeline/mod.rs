@@ -1247,6 +1247,7 @@ fn transform_body(
             model: f.model.as_deref(),
             stream: f.stream,
             has_stream_options: f.has_stream_options,
+            billing_prefix: f.billing_prefix,
         };
         crate::transform::apply_with_facts(body, &facts, &topts)
     });

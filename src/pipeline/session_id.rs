@@ -102,6 +102,10 @@ pub struct BodyFields {
     pub user_id: Option<String>,
     /// `user`.
     pub user: Option<String>,
+    /// Whether a string value of the body starts with Claude Code's billing prefix
+    /// ([`crate::transform::CCH_MARKER`], raw bytes): known when the byte scan read the body
+    /// (it looks at the start of every string it skips), `None` when serde did.
+    pub billing_prefix: Option<bool>,
 }
 
 thread_local! {
@@ -441,6 +445,8 @@ pub(super) struct TopObj<'a> {
     pub(super) metadata: Option<Json<'a, MetadataObj<'a>>>,
     pub(super) litellm_metadata: Option<Json<'a, MetadataObj<'a>>>,
     pub(super) user: Option<Scalar<'a>>,
+    /// [`BodyFields::billing_prefix`].
+    pub(super) billing_prefix: Option<bool>,
 }
 
 /// `stream_options`.
@@ -585,6 +591,7 @@ impl TopObj<'_> {
             user_id_session_id,
             user_id,
             user: self.user.and_then(Json::usable_id),
+            billing_prefix: self.billing_prefix,
         }
     }
 }
@@ -1007,7 +1014,9 @@ mod tests {
         assert!(!body(r#"{"x":{"stream_options":{}}}"#).has_stream_options);
         let b = body(r#"{"stream_options":{"include_usage":true}}"#);
         assert_eq!(b.include_usage, Some(true));
-        assert_eq!(body("{}"), BodyFields::default());
+        let mut empty = BodyFields::default();
+        empty.billing_prefix = Some(false);
+        assert_eq!(body("{}"), empty);
         // A key sent twice counts by its last occurrence.
         let b = body(r#"{"model":"a","stream":true,"model":"b","stream":false}"#);
         assert_eq!((b.model.as_deref(), b.stream), (Some("b"), false));
