@@ -43,7 +43,7 @@ fn non_stream_and_stream_bodies_match_a_direct_request() {
 }
 
 #[test]
-fn request_bodies_arrive_intact_json_binary_and_5_mib() {
+fn request_bodies_arrive_intact_json_binary_prompt_sized_and_5_mib() {
     let m = mock("m0");
     let env = start(&[("r", route_for(&[m.addr()], ""))], "");
     let mut big = Vec::with_capacity(5 * 1024 * 1024);
@@ -52,11 +52,21 @@ fn request_bodies_arrive_intact_json_binary_and_5_mib() {
         x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
         big.push((x >> 24) as u8);
     }
+    // Prompt-sized bodies reuse a worker's spare buffers: a smaller one after a larger,
+    // each with bytes of its own, so a leftover of the one before would show.
+    let prompts = [40_000usize, 30_000, 17_000, 60_000]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| big[i * 7..i * 7 + n].to_vec());
     for body in [
         b"{\"model\":\"m\",\"messages\":[]}".to_vec(),
         vec![0u8, 255, 13, 10, 0, 1],
-        big,
-    ] {
+    ]
+    .into_iter()
+    .chain(prompts.clone())
+    .chain([big.clone()])
+    .chain(prompts)
+    {
         let mut raw = format!(
             "POST /r/v1/echo?q=1 HTTP/1.1\r\nHost: t\r\nx-mock-echo: 1\r\nContent-Length: {}\r\n\r\n",
             body.len()

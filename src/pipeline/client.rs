@@ -19,6 +19,7 @@ use monoio::BufResult;
 
 use crate::http::{self, BodyFraming, ChunkedDecoder, HeadParse, RequestHead};
 use crate::limits::CLIENT_READ_BUF_BYTES;
+use crate::worker::SpareBodies;
 
 use super::error_response::ProxyError;
 
@@ -160,6 +161,7 @@ impl ClientConn {
         head: &RequestHead,
         max_bytes: u64,
         read_timeout: Duration,
+        spares: &SpareBodies,
     ) -> Result<Bytes, ProxyError> {
         match head.body {
             BodyFraming::None => {
@@ -176,9 +178,9 @@ impl ClientConn {
                     self.write_all_bytes(b"HTTP/1.1 100 Continue\r\n\r\n".to_vec())
                         .await?;
                 }
-                // The body gets an exact-size buffer of its own; the connection keeps its
-                // read buffer (and its capacity) for the next request.
-                let mut body = Vec::with_capacity(n);
+                // The body gets a buffer of its own (a spare one for a large body); the
+                // connection keeps its read buffer (and its capacity) for the next request.
+                let mut body = spares.take(n);
                 let have = self.inbuf.len().min(n);
                 body.extend_from_slice(&self.inbuf[..have]);
                 self.inbuf.drain(..have);

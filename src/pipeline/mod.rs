@@ -175,7 +175,12 @@ async fn handle_request(
         }
         (_, d) => {
             let body = match conn
-                .read_body(&head, ENDPOINT_BODY_BYTES_MAX, BODY_READ_TIMEOUT)
+                .read_body(
+                    &head,
+                    ENDPOINT_BODY_BYTES_MAX,
+                    BODY_READ_TIMEOUT,
+                    &ctx.bodies,
+                )
                 .await
             {
                 Ok(b) => b,
@@ -239,7 +244,7 @@ async fn prepare<'a>(
             let owner = authorize(route)?;
             let limit = route.cfg.opts.max_body_size.min(ceiling);
             let body = conn
-                .read_body(head, limit, BODY_READ_TIMEOUT)
+                .read_body(head, limit, BODY_READ_TIMEOUT, &ctx.bodies)
                 .await
                 .map_err(|e| (e, Some(route)))?;
             // The body is parsed once, and only when something needs it: a session id no
@@ -260,7 +265,7 @@ async fn prepare<'a>(
         }
         Entry::Bare(target) => {
             let body = conn
-                .read_body(head, ceiling, BODY_READ_TIMEOUT)
+                .read_body(head, ceiling, BODY_READ_TIMEOUT, &ctx.bodies)
                 .await
                 .map_err(|e| (e, None))?;
             let fields = session_id::parse_body(&body);
@@ -781,7 +786,7 @@ async fn proxy(
                 };
                 // Nothing is retried once a response is relayed: a long stream should not
                 // hold a long prompt (a body-log capture keeps its own reference).
-                drop(std::mem::take(&mut p.body));
+                ctx.bodies.put(std::mem::take(&mut p.body));
                 drop(transformed.take());
                 // An event stream holds the connection for its whole length: give back the
                 // client's read buffer meanwhile (the next request head takes a new one).

@@ -44,6 +44,8 @@ pub struct WorkerCtx {
     heads: Spares,
     /// Spare per-request peer-load lists (see [`WorkerCtx::loads`]).
     loads: SpareVecs<crate::pipeline::peer_select::Load>,
+    /// Spare request-body buffers for large bodies (see [`SpareBodies`]).
+    pub bodies: SpareBodies,
     /// This worker's body-log sender, when a listener is configured (fixed at start).
     pub bodylog: Option<Rc<crate::bodylog::sender::Sender>>,
     /// Wall-clock milliseconds for the monotonic times a request already took.
@@ -198,6 +200,75 @@ impl Spares {
     }
 }
 
+/// A bounded free list of request-body buffers for large bodies (a prompt is tens to
+/// hundreds of KB). Freeing such a buffer lets glibc give the top of its heap back to the
+/// kernel, and the next body of that size then faults its pages in afresh as the kernel
+/// copies into them: 5–8% of the CPU of a proxied 51.5 KB prompt (`perf`, page faults under
+/// `_copy_to_iter`). Bodies below [`BODY_SPARE_MIN`] take an exact buffer from the
+/// allocator's caches as before. Buffers are taken by first fit; new ones for pooled sizes
+/// are rounded up to a power of two, so the growing prompt of a conversation finds a spare
+/// for several turns. At most [`BODY_SPARES_MAX`] buffers and [`BODY_SPARE_BYTES_MAX`]
+/// bytes are kept per worker; a buffer above [`BODY_SPARE_CAP_MAX`] is never kept.
+#[derive(Default)]
+pub struct SpareBodies {
+    list: RefCell<Vec<Vec<u8>>>,
+}
+
+/// The smallest body that takes a pooled buffer.
+pub const BODY_SPARE_MIN: usize = 16 * 1024;
+/// The largest buffer kept.
+pub const BODY_SPARE_CAP_MAX: usize = 1024 * 1024;
+/// Buffers kept per worker.
+pub const BODY_SPARES_MAX: usize = 16;
+/// Capacity kept per worker, all buffers together.
+pub const BODY_SPARE_BYTES_MAX: usize = 4 * 1024 * 1024;
+
+impl SpareBodies {
+    /// An empty buffer with room for `n` bytes.
+    pub fn take(&self, n: usize) -> Vec<u8> {
+        if n < BODY_SPARE_MIN {
+            return Vec::with_capacity(n);
+        }
+        let mut list = self.list.borrow_mut();
+        if let Some(i) = list.iter().position(|b| b.capacity() >= n) {
+            return list.swap_remove(i);
+        }
+        if n <= BODY_SPARE_CAP_MAX {
+            Vec::with_capacity(n.next_power_of_two())
+        } else {
+            Vec::with_capacity(n)
+        }
+    }
+
+    /// Keep a body's buffer for a later body, when nothing else holds it (a body-log
+    /// capture may) and it is of a size the list keeps.
+    pub fn put(&self, body: bytes::Bytes) {
+        if !(BODY_SPARE_MIN..=BODY_SPARE_CAP_MAX).contains(&body.len()) {
+            return;
+        }
+        let Ok(mut b) = body.try_into_mut() else {
+            return;
+        };
+        // Emptied first: the conversion to a Vec then moves no bytes.
+        b.clear();
+        let b = Vec::from(b);
+        let mut list = self.list.borrow_mut();
+        let kept: usize = list.iter().map(Vec::capacity).sum();
+        if list.len() < BODY_SPARES_MAX
+            && b.capacity() <= BODY_SPARE_CAP_MAX
+            && kept + b.capacity() <= BODY_SPARE_BYTES_MAX
+        {
+            list.push(b);
+        }
+    }
+
+    /// Buffers kept.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.list.borrow().len()
+    }
+}
+
 impl WorkerCtx {
     pub fn new(
         index: usize,
@@ -246,6 +317,7 @@ impl WorkerCtx {
             bodylog,
             wall: WallClock::default(),
             loads: SpareVecs::default(),
+            bodies: SpareBodies::default(),
         }
     }
 
@@ -416,6 +488,50 @@ mod tests {
             s.put(Vec::with_capacity(1024));
         }
         assert_eq!(s.len(), SPARE_BUFS_MAX);
+    }
+
+    #[test]
+    fn spare_bodies_reuse_large_buffers_within_their_bounds() {
+        use bytes::Bytes;
+        let s = SpareBodies::default();
+        // Small bodies take an exact buffer and are never kept.
+        let small = s.take(100);
+        assert_eq!(small.capacity(), 100);
+        s.put(Bytes::from(vec![b'x'; 100]));
+        assert_eq!(s.len(), 0);
+        // A large body's buffer comes back, emptied, for the next body that fits.
+        let mut b = s.take(50_000);
+        assert_eq!(b.capacity(), 65_536, "rounded up to a power of two");
+        b.resize(50_000, b'x');
+        let ptr = b.as_ptr();
+        s.put(Bytes::from(b));
+        assert_eq!(s.len(), 1);
+        let again = s.take(60_000);
+        assert_eq!(again.as_ptr(), ptr, "the spare buffer is reused");
+        assert!(again.is_empty() && again.capacity() >= 60_000);
+        assert_eq!(s.len(), 0);
+        // A body someone else still holds (a body-log capture) is not taken.
+        let held = Bytes::from(vec![b'x'; 20_000]);
+        let capture = held.clone();
+        s.put(held);
+        assert_eq!(s.len(), 0);
+        drop(capture);
+        // No spare fits: a new buffer, the spare stays.
+        s.put(Bytes::from(vec![b'x'; 20_000]));
+        assert_eq!(s.take(30_000).capacity(), 32_768);
+        assert_eq!(s.len(), 1);
+        // Bounded in count and in bytes; oversized buffers are not kept.
+        s.put(Bytes::from(vec![b'x'; BODY_SPARE_CAP_MAX + 1]));
+        assert_eq!(s.len(), 1);
+        for _ in 0..BODY_SPARES_MAX + 4 {
+            s.put(Bytes::from(vec![b'x'; BODY_SPARE_MIN]));
+        }
+        assert_eq!(s.len(), BODY_SPARES_MAX);
+        let s = SpareBodies::default();
+        for _ in 0..BODY_SPARES_MAX {
+            s.put(Bytes::from(vec![b'x'; BODY_SPARE_CAP_MAX]));
+        }
+        assert_eq!(s.len(), BODY_SPARE_BYTES_MAX / BODY_SPARE_CAP_MAX);
     }
 
     #[test]

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use warmroute_shm::Segment;
 
-pub use ctx::{AccessLog, PortKind, Spares, WorkerCtx};
+pub use ctx::{AccessLog, PortKind, SpareBodies, Spares, WorkerCtx};
 pub use listen::bind_shared;
 pub use notify::LocalNotify;
 
