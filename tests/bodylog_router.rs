@@ -34,7 +34,10 @@ fn records(dir: &Path) -> Vec<Value> {
             if p.is_dir() {
                 stack.push(p);
             } else if p.extension().is_some_and(|x| x == "jsonl") {
-                for line in std::fs::read_to_string(&p).unwrap_or_default().lines() {
+                // The listener may be appending while the file is read: a last line
+                // without its newline is not written yet.
+                let text = std::fs::read_to_string(&p).unwrap_or_default();
+                for line in text.split_inclusive('\n').filter(|l| l.ends_with('\n')) {
                     out.push(serde_json::from_str(line).expect("each line is JSON"));
                 }
             }
