@@ -6,12 +6,12 @@
 //! expected — so `TopObj::reduce` is shared and the two paths cannot drift apart in what
 //! they make of a value. The contract: whenever [`scan`] returns `Some`, serde reads the
 //! same bytes to the same result (and the scan also tells whether a string starts with the
-//! billing prefix, which serde does not look for). Anything unusual returns `None` and the body goes to
-//! serde: not an object, an escape in a key or in a string that is read, a read string
-//! that is not UTF-8 or a key serde checks that is not ASCII (see [`Cursor`]), a number
-//! where a value is read (its decimal form is serde's business), skipped values nested
-//! deeper than [`SKIP_DEPTH_MAX`], and every grammar error (serde then rejects the body
-//! itself). Declining is always safe; it only costs the serde pass.
+//! billing prefix, which serde does not look for). Anything unusual returns `None` and the
+//! body goes to serde: not an object, an escape in a key or in a string that is read, a
+//! read string that is not UTF-8 or a key serde checks that is not ASCII (see [`Cursor`]),
+//! a number where a value is read (its decimal form is serde's business), skipped values
+//! nested deeper than [`SKIP_DEPTH_MAX`], and every grammar error (serde then rejects the
+//! body itself). Declining is always safe; it only costs the serde pass.
 //!
 //! Its cost is in the strings it skips: the prompt. The string skip classifies 32 bytes at a
 //! time with SSE2 on x86_64 ([`string_end`]). On the bench's 51.5 KB prompt body (40 turns of
@@ -982,18 +982,11 @@ mod tests {
             }
             for from in 0..3.min(s.len()) {
                 let want = reference(&s, from);
-                assert_eq!(
-                    string_end_swar(&s, from),
-                    want,
-                    "{:?} from {from}",
-                    s.escape_ascii().to_string()
-                );
-                assert_eq!(
-                    string_end(&s, from),
-                    want,
-                    "{:?} from {from}",
-                    s.escape_ascii().to_string()
-                );
+                let words: fn(&[u8], usize) -> Option<usize> = string_end_swar;
+                for (name, skip) in [("words", words), ("blocks", string_end)] {
+                    let shown = s.escape_ascii().to_string();
+                    assert_eq!(skip(&s, from), want, "{name}: {shown:?} from {from}");
+                }
                 if want.is_some() {
                     ended += 1;
                 } else {
