@@ -128,3 +128,53 @@ fn a_thousand_streams_give_a_thousand_records_and_a_dead_listener_costs_nothing(
     l2.stop();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A prompt-sized request body (sent to the peer beside the request head, not copied into
+/// it) is logged whole, as the client sent it.
+#[test]
+fn a_prompt_sized_request_body_is_logged_whole() {
+    let dir = shm_path("bodylog-big");
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let l = listener(port, &dir);
+    let m = mock("m0");
+    let env = start(
+        &[("r", route_for(&[m.addr()], ""))],
+        &format!("[bodylog]\nlistener = \"{port}\"\n"),
+    );
+    let content: String = (0..50_000u32)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    let bodies: Vec<String> = (0..3)
+        .map(|i| chat_body(&format!("{i} {content}"), false))
+        .collect();
+    for (i, body) in bodies.iter().enumerate() {
+        let r = request(
+            env.public(),
+            &post_json(
+                "/r/v1/chat/completions",
+                body,
+                &format!("x-session-id: big-{i}\r\n"),
+            ),
+        );
+        assert_eq!(r.status, 200, "{i}");
+    }
+    eventually(Duration::from_secs(20), "3 records written", || {
+        records(&dir).len() == 3
+    });
+    for r in records(&dir) {
+        let i: usize = r["session_id"].as_str().unwrap()["big-".len()..]
+            .parse()
+            .unwrap();
+        assert!(
+            r["req_body"].as_str() == Some(bodies[i].as_str()),
+            "record {i}: the logged body differs ({} bytes)",
+            r["req_body"].as_str().map_or(0, str::len)
+        );
+    }
+    l.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}

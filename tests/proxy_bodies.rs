@@ -74,7 +74,7 @@ fn request_bodies_arrive_intact_json_binary_prompt_sized_and_5_mib() {
         .into_bytes();
         raw.extend_from_slice(&body);
         let r = request(env.public(), &raw);
-        assert_eq!(r.status, 200);
+        assert_eq!(r.status, 200, "{} bytes: {}", body.len(), r.text());
         assert_eq!(r.body.len(), body.len());
         assert!(r.body == body, "echoed body differs");
     }

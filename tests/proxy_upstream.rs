@@ -591,3 +591,82 @@ fn the_client_idle_wait_counts_from_the_last_response_and_closes_after_the_timeo
         "closed after 1.3 s idle with an 800 ms idle timeout"
     );
 }
+
+/// A body too large to share the request head's buffer leaves beside it in one vectored
+/// write, and is there again for every further attempt: after a pooled connection the peer
+/// had closed, after a 503 and after a refused connection, the peer that answers gets all
+/// of it.
+#[test]
+fn a_large_body_is_sent_whole_on_every_attempt() {
+    let content: String = (0..40_000u32)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    let body = chat_body(&content, false);
+    assert!(body.len() > 40_000);
+
+    // A peer that answers one request per connection and then closes without saying so:
+    // every request after the first finds its pooled connection dead and is sent again.
+    let resp = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec();
+    let b = raw_backend(vec![resp], 1);
+    let env = start(&[("r", route_for(&[b.addr], ""))], "");
+    let c = connect(env.public());
+    let mut r = BufReader::new(c.try_clone().unwrap());
+    let mut c = c;
+    for i in 0..4 {
+        c.write_all(&post_json("/r/v1/chat/completions", &body, ""))
+            .unwrap();
+        let resp = read_response(&mut r, false).unwrap();
+        assert_eq!((resp.status, resp.text().as_str()), (200, "ok"), "{i}");
+        std::thread::sleep(Duration::from_millis(30));
+    }
+    let seen = b.requests.lock().unwrap().clone();
+    assert!(seen.len() >= 4, "{} requests reached the peer", seen.len());
+    for req in &seen {
+        assert!(req.ends_with(body.as_bytes()), "a request lost its body");
+    }
+    assert!(
+        b.accepted.load(SeqCst) >= 4,
+        "each request needed a fresh connection"
+    );
+
+    // A peer that answers 503 (having read the whole request) and one that refuses
+    // connections, before the mock that echoes the body it got.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let busy = l.local_addr().unwrap();
+    serve_each(l, |mut s| {
+        let mut buf = Vec::new();
+        while let Some(req) = read_request(&mut s, &mut buf) {
+            let resp: &[u8] = if req.starts_with(b"GET ") {
+                b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+            } else {
+                b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"
+            };
+            if s.write_all(resp).is_err() {
+                return;
+            }
+        }
+    });
+    let dead: std::net::SocketAddr = "127.0.0.1:1".parse().unwrap();
+    let m = mock("m0");
+    let env = start(
+        &[(
+            "r",
+            route_for(&[busy, dead, m.addr()], "max_more_tries = 2\n"),
+        )],
+        "",
+    );
+    let mut retried = 0;
+    for i in 0..12 {
+        let r = request(
+            env.public(),
+            &post_json("/r/v1/echo", &body, "x-mock-echo: 1\r\n"),
+        );
+        assert_eq!(r.status, 200, "{i}");
+        assert!(r.body == body.as_bytes(), "{i}: the echoed body differs");
+        if r.header("x-routed-retries") != Some("0") {
+            retried += 1;
+        }
+    }
+    assert!(retried > 0, "no request was retried");
+    assert_eq!(inflight_total(&env, "r"), 0);
+}

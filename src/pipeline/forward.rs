@@ -5,9 +5,8 @@ use std::io;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use monoio::buf::IoBufMut;
-use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
+use monoio::buf::{IoBuf, IoBufMut, VecBuf};
+use monoio::io::{AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
 
 use crate::http::{self, is_hop_by_hop, write_header, HeadParse, RequestHead, ResponseHead};
@@ -142,13 +141,17 @@ pub struct Timeouts {
 /// Send one request to `peer` and wait for its response head. A pooled connection that
 /// turns out closed before any response byte is replaced by a fresh one, once. `now`: a
 /// current time, to tell the pool's expired connections (the caller's latest).
+///
+/// `body`: a body too large for `req` ([`build_request`] left it out), sent right after
+/// the head in the same vectored write. The write owns it while the kernel may read it;
+/// it is back in `body` when the exchange returns, unless the client left mid-write.
 #[allow(clippy::too_many_arguments)]
 pub async fn exchange(
     pool: &std::cell::RefCell<UpstreamPool>,
     now: Instant,
     peer: &PeerRt,
     req: Vec<u8>,
-    body: Option<Bytes>,
+    body: &mut Option<Vec<u8>>,
     buf: Vec<u8>,
     t: &Timeouts,
     watch: &mut ClientWatch<'_>,
@@ -167,7 +170,7 @@ pub async fn exchange(
         match send_and_read_head(
             &mut stream,
             req,
-            body.clone(),
+            body,
             buf,
             head_request,
             t.first_byte,
@@ -220,6 +223,46 @@ async fn connect(
     }
 }
 
+/// Write `req` and then `body`: in one vectored write when the socket takes both at once
+/// (the usual case: one write op and one TCP send, the peer woken once with the whole
+/// request), the rest of a partial write with plain writes. Not monoio's
+/// `write_vectored_all`: after a partial write, 0.2.4's `IoVecMeta::consume` shortens the
+/// iovec without moving its start, so the bytes already sent go out again. Both buffers
+/// come back whatever happens.
+async fn write_head_and_body(
+    stream: &mut TcpStream,
+    req: Vec<u8>,
+    body: Vec<u8>,
+) -> (io::Result<usize>, Vec<u8>, Vec<u8>) {
+    let total = req.len() + body.len();
+    let (res, bufs) = stream.writev(VecBuf::from(vec![req, body])).await;
+    let mut bufs = Vec::<Vec<u8>>::from(bufs);
+    let body = bufs.pop().unwrap_or_default();
+    let req = bufs.pop().unwrap_or_default();
+    let n = match res {
+        Ok(0) if total > 0 => return (Err(io::ErrorKind::WriteZero.into()), req, body),
+        Ok(n) => n,
+        Err(e) => return (Err(e), req, body),
+    };
+    if n >= total {
+        return (Ok(n), req, body);
+    }
+    let req = if n < req.len() {
+        let (res, rest) = stream.write_all(req.slice(n..)).await;
+        let req = rest.into_inner();
+        if let Err(e) = res {
+            return (Err(e), req, body);
+        }
+        req
+    } else {
+        req
+    };
+    let (res, rest) = stream
+        .write_all(body.slice(n.saturating_sub(req.len())..))
+        .await;
+    (res.map(|_| total), req, rest.into_inner())
+}
+
 enum SendError {
     BeforeAnyByte,
     Fatal(ExchangeError),
@@ -233,38 +276,38 @@ type HeadResult = (ResponseHead, Vec<u8>, usize, Vec<u8>, [Instant; 2], Vec<u8>)
 /// so a retry on a fresh connection needs no copy.
 type SendFailure = (SendError, Vec<u8>, Option<Vec<u8>>);
 
-/// Write the request, then read until a final response head. The read buffer comes back
-/// in every case, for the caller to reuse.
+/// Write the request (head and `body` in one vectored write when there is a separate
+/// body), then read until a final response head. The read buffer comes back in every case,
+/// for the caller to reuse; so does `body`, into its slot, unless the client left while
+/// it was being written.
 async fn send_and_read_head(
     stream: &mut TcpStream,
     req: Vec<u8>,
-    body: Option<Bytes>,
+    body: &mut Option<Vec<u8>>,
     mut buf: Vec<u8>,
     head_request: bool,
     first_byte: Duration,
     watch: &mut ClientWatch<'_>,
 ) -> Result<HeadResult, SendFailure> {
     let gone = || SendError::Fatal(ExchangeError::ClientGone);
-    let sent = {
-        let write = std::pin::pin!(stream.write_all(req));
-        watch.race(write).await
+    let sent = match body.take() {
+        None => {
+            let write = std::pin::pin!(stream.write_all(req));
+            watch.race(write).await
+        }
+        Some(b) => {
+            let write = std::pin::pin!(write_head_and_body(stream, req, b));
+            watch.race(write).await.map(|(res, req, b)| {
+                *body = Some(b);
+                (res, req)
+            })
+        }
     };
     let req = match sent {
         Err(_) => return Err((gone(), buf, None)),
         Ok((Err(_), req)) => return Err((SendError::BeforeAnyByte, buf, Some(req))),
         Ok((Ok(_), req)) => req,
     };
-    if let Some(body) = body {
-        let sent = {
-            let write = std::pin::pin!(stream.write_all(body));
-            watch.race(write).await
-        };
-        match sent {
-            Err(_) => return Err((gone(), buf, None)),
-            Ok((Err(_), _)) => return Err((SendError::BeforeAnyByte, buf, Some(req))),
-            Ok((Ok(_), _)) => {}
-        }
-    }
     let mut req = Some(req);
     macro_rules! bail {
         ($e:expr) => {

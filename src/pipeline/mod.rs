@@ -596,9 +596,25 @@ async fn proxy(
         let mut req_buf = ctx.take_head_buf();
         // The client's body itself unless a transform changed it: no second owner (a clone
         // of a Vec-backed Bytes allocates) for the usual request, whose body is copied into
-        // the request buffer anyway.
-        let upstream_body = transformed.as_ref().unwrap_or(&p.body);
+        // the request buffer anyway. A body too large to copy there leaves with the head in
+        // one vectored write, which must own it: it is moved out of its `Bytes` (no copy,
+        // nothing else holds it yet) and put back after the exchanges.
+        let sent_body = |t: &mut Option<Bytes>, b: &mut Bytes| {
+            let b = t.as_mut().unwrap_or(b);
+            (b.len() > crate::limits::INLINE_BODY_BYTES_MAX).then(|| Vec::from(std::mem::take(b)))
+        };
+        let mut big_body = sent_body(&mut transformed, &mut p.body);
+        let big = big_body.is_some();
         for retries in 0..=opts.max_more_tries {
+            if big && big_body.is_none() {
+                // Only a client that left mid-write takes the body with it.
+                outcome = Some(Err((ProxyError::ClientGone, None)));
+                break;
+            }
+            let upstream_body: &[u8] = match &big_body {
+                Some(b) => b,
+                None => transformed.as_ref().unwrap_or(&p.body),
+            };
             let peer = &pool.peers[idx];
             let inflight = Inflight::acquire(seg, ctx.wid, peer.slot);
             seg.peer_cell(peer.slot, cells::peer::REQUESTS)
@@ -615,7 +631,7 @@ async fn proxy(
                 upstream_body,
                 authorization.as_deref(),
             );
-            let big_body = (!inline).then(|| upstream_body.clone());
+            debug_assert_eq!(inline, !big, "build_request splits at the same size");
             // The body's arrival is a current time for the first attempt.
             let now = if retries == 0 {
                 body_read_at
@@ -627,7 +643,7 @@ async fn proxy(
                 now,
                 peer,
                 req,
-                big_body,
+                &mut big_body,
                 std::mem::take(&mut buf),
                 &timeouts,
                 &mut watch,
@@ -733,6 +749,9 @@ async fn proxy(
             }
         }
         let outcome = outcome.unwrap_or(Err((ProxyError::NoHealthyPeer, None)));
+        if let Some(b) = big_body.take() {
+            *transformed.as_mut().unwrap_or(&mut p.body) = Bytes::from(b);
+        }
 
         // 10. Relay the response.
         match outcome {
