@@ -386,3 +386,60 @@ async fn send_and_read_head(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    /// A request the socket does not take in one write still arrives whole and in order,
+    /// and both buffers come back unchanged: with a head larger than what the socket takes
+    /// at once (the rest of the head, then the body, after the vectored write), and with a
+    /// body larger than that (the head whole, the rest of the body after).
+    #[test]
+    fn a_partial_vectored_write_is_finished_in_order() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let pattern = |n: usize, seed: u8| -> Vec<u8> {
+            (0..n)
+                .map(|i| {
+                    (i as u8)
+                        .wrapping_mul(31)
+                        .wrapping_add((i >> 8) as u8 ^ seed)
+                })
+                .collect()
+        };
+        for (head_len, body_len) in [(4 << 20, 1000), (300, 4 << 20)] {
+            let (req, body) = (pattern(head_len, 1), pattern(body_len, 7));
+            let want: Vec<u8> = req.iter().chain(&body).copied().collect();
+            let l = l.try_clone().unwrap();
+            let reader = std::thread::spawn(move || {
+                let (mut s, _) = l.accept().unwrap();
+                // Nothing is read at first: the first write cannot take it all.
+                std::thread::sleep(Duration::from_millis(200));
+                let mut got = Vec::new();
+                s.read_to_end(&mut got).unwrap();
+                got
+            });
+            let mut rt = monoio::RuntimeBuilder::<monoio::FusionDriver>::new()
+                .enable_timer()
+                .build()
+                .unwrap();
+            let (res, req_back, body_back) = rt.block_on(async {
+                let mut s = TcpStream::connect_addr(addr).await.unwrap();
+                let out = write_head_and_body(&mut s, req.clone(), body.clone()).await;
+                // The reader reads to the end.
+                let _ = s.shutdown().await;
+                out
+            });
+            assert_eq!(res.unwrap(), want.len(), "head {head_len}, body {body_len}");
+            assert!(req_back == req && body_back == body, "buffers changed");
+            let got = reader.join().unwrap();
+            assert_eq!(got.len(), want.len(), "head {head_len}, body {body_len}");
+            assert!(
+                got == want,
+                "head {head_len}, body {body_len}: bytes differ"
+            );
+        }
+    }
+}
