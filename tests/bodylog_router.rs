@@ -13,6 +13,7 @@ use std::time::Duration;
 use common::*;
 use serde_json::Value;
 use warmroute::bodylog::listener::{run_listener_with, ListenerConfig, ListenerHandle};
+use warmroute_mock::MockServer;
 
 fn listener(addr: SocketAddr, dir: &Path) -> ListenerHandle {
     run_listener_with(ListenerConfig {
@@ -22,6 +23,24 @@ fn listener(addr: SocketAddr, dir: &Path) -> ListenerHandle {
         stop: Arc::new(AtomicBool::new(false)),
     })
     .expect("listener starts")
+}
+
+/// A record directory (`shm_path(tag)`), a listener writing into it on a free port, and a
+/// router whose route `r` (one mock peer) logs bodies to that listener.
+fn logged_route(tag: &str) -> (PathBuf, SocketAddr, ListenerHandle, MockServer, Env) {
+    let dir = shm_path(tag);
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let l = listener(port, &dir);
+    let m = mock("m0");
+    let env = start(
+        &[("r", route_for(&[m.addr()], ""))],
+        &format!("[bodylog]\nlistener = \"{port}\"\n"),
+    );
+    (dir, port, l, m, env)
 }
 
 /// Every JSONL record under `dir`.
@@ -69,18 +88,7 @@ fn stream_requests(addr: SocketAddr, n: usize, threads: usize, tag: &str) -> usi
 
 #[test]
 fn a_thousand_streams_give_a_thousand_records_and_a_dead_listener_costs_nothing() {
-    let dir = shm_path("bodylog-dir");
-    std::fs::create_dir_all(&dir).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
-    let l = listener(port, &dir);
-    let m = mock("m0");
-    let env = start(
-        &[("r", route_for(&[m.addr()], ""))],
-        &format!("[bodylog]\nlistener = \"{port}\"\n"),
-    );
+    let (dir, port, l, _m, env) = logged_route("bodylog-dir");
     assert_eq!(stream_requests(env.public(), 1000, 4, "first"), 1000);
     eventually(Duration::from_secs(20), "1,000 records written", || {
         records(&dir).len() == 1000
@@ -133,18 +141,7 @@ fn a_thousand_streams_give_a_thousand_records_and_a_dead_listener_costs_nothing(
 /// it) is logged whole, as the client sent it.
 #[test]
 fn a_prompt_sized_request_body_is_logged_whole() {
-    let dir = shm_path("bodylog-big");
-    std::fs::create_dir_all(&dir).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
-    let l = listener(port, &dir);
-    let m = mock("m0");
-    let env = start(
-        &[("r", route_for(&[m.addr()], ""))],
-        &format!("[bodylog]\nlistener = \"{port}\"\n"),
-    );
+    let (dir, _port, l, _m, env) = logged_route("bodylog-big");
     let content: String = (0..50_000u32)
         .map(|i| char::from(b'a' + (i % 26) as u8))
         .collect();

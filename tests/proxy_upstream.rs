@@ -362,18 +362,19 @@ fn a_stream_idle_past_the_idle_timeout_is_cut_and_a_steady_one_is_not() {
     );
 }
 
-/// A peer that answers each proxied request 503 after 300 ms. Its health probes (`GET`) get
-/// a 200 at once: a failed probe bans a peer, and then no request would try it any more.
-fn slow_503_peer() -> std::net::SocketAddr {
+/// A peer that reads each proxied request whole and answers it 503 after `delay`. Its
+/// health probes (`GET`) get a 200 at once: a failed probe bans a peer, and then no request
+/// would try it any more.
+fn peer_503_after(delay: Duration) -> std::net::SocketAddr {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
-    serve_each(l, |mut s| {
+    serve_each(l, move |mut s| {
         let mut buf = Vec::new();
         while let Some(req) = read_request(&mut s, &mut buf) {
             let resp: &[u8] = if req.starts_with(b"GET ") {
                 b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
             } else {
-                std::thread::sleep(Duration::from_millis(300));
+                std::thread::sleep(delay);
                 b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"
             };
             if s.write_all(resp).is_err() {
@@ -386,7 +387,7 @@ fn slow_503_peer() -> std::net::SocketAddr {
 
 #[test]
 fn a_retry_on_a_pooled_connection_gets_its_own_first_byte_window() {
-    let slow = slow_503_peer();
+    let slow = peer_503_after(Duration::from_millis(300));
     let m = mock("m0");
     let env = start(
         &[(
@@ -631,21 +632,7 @@ fn a_large_body_is_sent_whole_on_every_attempt() {
 
     // A peer that answers 503 (having read the whole request) and one that refuses
     // connections, before the mock that echoes the body it got.
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let busy = l.local_addr().unwrap();
-    serve_each(l, |mut s| {
-        let mut buf = Vec::new();
-        while let Some(req) = read_request(&mut s, &mut buf) {
-            let resp: &[u8] = if req.starts_with(b"GET ") {
-                b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
-            } else {
-                b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"
-            };
-            if s.write_all(resp).is_err() {
-                return;
-            }
-        }
-    });
+    let busy = peer_503_after(Duration::ZERO);
     let dead: std::net::SocketAddr = "127.0.0.1:1".parse().unwrap();
     let m = mock("m0");
     let env = start(

@@ -599,11 +599,9 @@ async fn proxy(
         // the request buffer anyway. A body too large to copy there leaves with the head in
         // one vectored write, which must own it: it is moved out of its `Bytes` (no copy,
         // nothing else holds it yet) and put back after the exchanges.
-        let sent_body = |t: &mut Option<Bytes>, b: &mut Bytes| {
-            let b = t.as_mut().unwrap_or(b);
-            (b.len() > crate::limits::INLINE_BODY_BYTES_MAX).then(|| Vec::from(std::mem::take(b)))
-        };
-        let mut big_body = sent_body(&mut transformed, &mut p.body);
+        let sent = transformed.as_mut().unwrap_or(&mut p.body);
+        let mut big_body = (sent.len() > crate::limits::INLINE_BODY_BYTES_MAX)
+            .then(|| Vec::from(std::mem::take(sent)));
         let big = big_body.is_some();
         for retries in 0..=opts.max_more_tries {
             if big && big_body.is_none() {
