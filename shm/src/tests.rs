@@ -777,15 +777,23 @@ fn reading_the_thread_cpu_clock_charges_the_run_time() {
         return;
     }
     let first = thread_cpu_time_ns().expect("the thread CPU clock reads");
-    // Busy for a while without blocking, as a loaded worker is.
+    // Busy without blocking, as a loaded worker is, until the scheduler has charged 30 ms
+    // of run time (an independent count, which lags the clock): not for 30 ms of wall time,
+    // of which a thread sharing a loaded machine may get much less (19.99 ms in one CI
+    // run). At most 2 s, for a kernel that counts nothing.
+    let charged_first = charged_run_time_ns().unwrap();
     let spin = Instant::now();
     let mut x = 0u64;
-    while spin.elapsed() < Duration::from_millis(30) {
-        x = hint::black_box(x.wrapping_add(1));
+    while charged_run_time_ns().unwrap() - charged_first < 30_000_000
+        && spin.elapsed() < Duration::from_secs(2)
+    {
+        for _ in 0..1000 {
+            x = hint::black_box(x.wrapping_add(1));
+        }
     }
     let before = charged_run_time_ns().unwrap();
     if before == 0 {
-        // 30 ms of spinning crossed several ticks: zero means the kernel keeps no counts.
+        // 2 s of spinning crossed many ticks: zero means the kernel keeps no counts.
         eprintln!("scheduler statistics are off on this kernel: nothing to compare with");
         return;
     }
