@@ -5,6 +5,8 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -87,6 +89,10 @@ fn spawn_serve(config: &Path, extra: &[&str]) -> Child {
         .map(|d| d.count())
         .unwrap_or(0);
     let log = std::fs::File::create(config.with_file_name(format!("router-{n}.log"))).unwrap();
+    spawn_serve_to(config, extra, log.into())
+}
+
+fn spawn_serve_to(config: &Path, extra: &[&str], stderr: Stdio) -> Child {
     Command::new(BIN)
         .arg("serve")
         .arg("--config")
@@ -94,7 +100,7 @@ fn spawn_serve(config: &Path, extra: &[&str]) -> Child {
         .args(["--workers", "2", "--no-pin", "--access-log", "off"])
         .args(extra)
         .stdout(Stdio::null())
-        .stderr(log)
+        .stderr(stderr)
         .spawn()
         .unwrap()
 }
@@ -104,13 +110,17 @@ fn start_serve(dir: &Path) -> Proc {
 }
 
 fn start_serve_with(dir: &Path, server_extra: &str, args: &[&str]) -> Proc {
+    start_serve_spawning(dir, server_extra, |cfg| spawn_serve(cfg, args))
+}
+
+fn start_serve_spawning(dir: &Path, server_extra: &str, spawn: impl Fn(&Path) -> Child) -> Proc {
     // Ports come from binding :0 and letting go, so another test may take one before the
     // router binds it; the router then refuses to start. Try again on fresh ports.
     for _ in 0..3 {
         let (p, a) = (free_port(), free_port());
         let shm = dir.join("segment");
         let cfg = server_file_with(dir, p, a, &shm, server_extra);
-        let child = spawn_serve(&cfg, args);
+        let child = spawn(&cfg);
         let public: SocketAddr = format!("127.0.0.1:{p}").parse().unwrap();
         let admin: SocketAddr = format!("127.0.0.1:{a}").parse().unwrap();
         // Built before waiting, so a failed start still kills the child.
@@ -466,6 +476,125 @@ fn key_rotation_by_sighup_keeps_streams_and_logs_owners_not_keys() {
     });
     assert!(text().contains("\"owner\":\"alice\""));
     assert!(!text().contains("secret"), "no key in the access log");
+}
+
+#[test]
+fn the_access_log_reaches_stderr_when_stderr_is_a_socket() {
+    // systemd's journal and some container runtimes hand the process a socket as stderr,
+    // which cannot be reopened through /proc/self/fd/2.
+    let d = temp_dir("sockerr");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    let p = start_serve_spawning(&d.0, "", |cfg| {
+        let stderr = OwnedFd::from(theirs.try_clone().unwrap());
+        spawn_serve_to(cfg, &["--access-log", "stderr"], stderr.into())
+    });
+    let body = r#"{"model":"mock-model","max_tokens":4,"metadata":{"session_id":"conv-7"},"messages":[{"role":"user","content":"hi"}]}"#;
+    let r = request(p.public, &post_json("/a/v1/chat/completions", body, ""));
+    assert_eq!(r.status, 200);
+    // The router's own log lines are text; the access line is the JSON one.
+    ours.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut reader = BufReader::new(ours);
+    let mut line = String::new();
+    let t0 = Instant::now();
+    let entry: serde_json::Value = loop {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "no access line on the socket; read so far: {line:?}"
+        );
+        match reader.read_line(&mut line) {
+            Ok(0) => panic!("stderr closed without an access line"),
+            Ok(_) if line.starts_with('{') => break serde_json::from_str(&line).unwrap(),
+            Ok(_) => line.clear(),
+            // A timeout keeps what was read of the line so far.
+            Err(_) => {}
+        }
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert!(
+        (entry["ts"].as_f64().unwrap() - now).abs() < 60.0,
+        "{entry}"
+    );
+    assert_eq!(entry["route"], "a");
+    assert_eq!(entry["method"], "POST");
+    assert_eq!(entry["path"], "/a/v1/chat/completions");
+    assert_eq!(entry["status"], 200);
+    assert_eq!(entry["session"], "conv-7");
+    assert_eq!(entry["peer"], "p0");
+    assert_eq!(entry["retries"], 0);
+    assert_eq!(entry["request_bytes"], body.len());
+    assert_eq!(entry["response_bytes"], r.body.len());
+    let usage = serde_json::from_slice::<serde_json::Value>(&r.body).unwrap()["usage"].clone();
+    assert_eq!(entry["prompt_tokens"], usage["prompt_tokens"]);
+    assert_eq!(entry["completion_tokens"], usage["completion_tokens"]);
+    assert!(
+        entry["source"].is_string() && entry["mode"].is_string(),
+        "{entry}"
+    );
+    assert!(entry["ttft_ms"].as_f64().unwrap() <= entry["total_ms"].as_f64().unwrap());
+    assert!(entry["owner"].is_null());
+    assert!(entry["worker"].as_u64().unwrap() < 2);
+}
+
+#[test]
+fn a_stderr_pipe_nobody_reads_does_not_stall_the_router() {
+    // A log shipper that stops reading: the pipe fills (64 KiB, about 200 access lines) and
+    // the workers keep serving, holding the lines until the reader is back.
+    let d = temp_dir("stuckerr");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let (mut reader, writer) = std::io::pipe().unwrap();
+    let p = start_serve_spawning(&d.0, "", |cfg| {
+        spawn_serve_to(
+            cfg,
+            &["--access-log", "stderr"],
+            writer.try_clone().unwrap().into(),
+        )
+    });
+    drop(writer);
+    const REQUESTS: usize = 1500;
+    let body = chat_body("x", false);
+    let mut clients: Vec<_> = (0..4).map(|_| connect(p.public)).collect();
+    for i in 0..REQUESTS {
+        let s = &mut clients[i % 4];
+        s.write_all(&post_json("/a/v1/chat/completions", &body, ""))
+            .unwrap();
+        let r = read_response(&mut BufReader::new(&mut *s), false).unwrap();
+        assert_eq!(r.status, 200, "request {i}");
+    }
+    // The control: the lines were held, not lost. Read them all back.
+    let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = got.clone();
+    std::thread::spawn(move || {
+        let mut chunk = vec![0; 1 << 16];
+        while let Ok(n @ 1..) = reader.read(&mut chunk) {
+            sink.lock().unwrap().extend_from_slice(&chunk[..n]);
+        }
+    });
+    let access_lines = |t: &[u8]| {
+        t.split(|&c| c == b'\n')
+            .filter(|l| l.starts_with(b"{"))
+            .count()
+    };
+    eventually(Duration::from_secs(10), "every access line written", || {
+        access_lines(&got.lock().unwrap()) >= REQUESTS
+    });
+    let text = got.lock().unwrap().clone();
+    let text = String::from_utf8(text).unwrap();
+    let access: Vec<serde_json::Value> = text
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect();
+    assert_eq!(access.len(), REQUESTS, "each request logged once");
+    assert!(access
+        .iter()
+        .all(|e| e["status"] == 200 && e["route"] == "a"));
 }
 
 #[test]

@@ -1380,30 +1380,32 @@ fn access_log(ctx: &WorkerCtx, e: &AccessEntry<'_>) {
     if !log.enabled() {
         return;
     }
-    let ttft_ms = e
+    let ttft_us = e
         .stats
         .first_body_at
-        .map(|t| t.duration_since(e.body_read_at).as_secs_f64() * 1000.0);
-    // The session id as sent in X-Routed-Session: sanitised and cut to 128 bytes.
-    log.line(&json!({
-        "ts": warmroute_shm::now_ms() as f64 / 1000.0,
-        "route": e.route.name(),
-        "method": e.head.method(),
-        "path": e.head.path(),
-        "status": e.status,
-        "session": e.session,
-        "source": e.source,
-        "mode": e.routed.map(|r| r.mode),
-        "peer": e.routed.map(|r| r.peer.name.as_str()),
-        "retries": e.routed.map_or(0, |r| r.retries),
-        "request_bytes": e.req_bytes,
-        "response_bytes": e.stats.body_bytes,
-        "ttft_ms": ttft_ms,
-        "prompt_tokens": e.stats.usage.and_then(|u| u.prompt_tokens),
-        "cached_tokens": e.stats.usage.and_then(|u| u.cached_tokens),
-        "completion_tokens": e.stats.usage.and_then(|u| u.completion_tokens),
-        "total_ms": e.started.elapsed().as_secs_f64() * 1000.0,
-        "owner": e.owner,
-        "worker": ctx.index,
-    }));
+        .map(|t| t.duration_since(e.body_read_at).as_micros() as u64);
+    let routed = e.routed;
+    let usage = e.stats.usage;
+    log.line(|l| {
+        l.thousandths("ts", warmroute_shm::now_ms());
+        l.str("route", e.route.name());
+        l.str("method", e.head.method());
+        l.str("path", e.head.path());
+        l.u64("status", e.status.into());
+        // The session id as sent in X-Routed-Session: sanitised and cut to 128 bytes.
+        l.str("session", e.session);
+        l.str("source", e.source);
+        l.opt_str("mode", routed.map(|r| r.mode));
+        l.opt_str("peer", routed.map(|r| r.peer.name.as_str()));
+        l.u64("retries", routed.map_or(0, |r| r.retries.into()));
+        l.u64("request_bytes", e.req_bytes as u64);
+        l.u64("response_bytes", e.stats.body_bytes);
+        l.opt_thousandths("ttft_ms", ttft_us);
+        l.opt_u64("prompt_tokens", usage.and_then(|u| u.prompt_tokens));
+        l.opt_u64("cached_tokens", usage.and_then(|u| u.cached_tokens));
+        l.opt_u64("completion_tokens", usage.and_then(|u| u.completion_tokens));
+        l.thousandths("total_ms", e.started.elapsed().as_micros() as u64);
+        l.opt_str("owner", e.owner);
+        l.u64("worker", ctx.index as u64);
+    });
 }

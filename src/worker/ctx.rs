@@ -2,14 +2,12 @@
 //! threads.
 
 use std::cell::{Cell, RefCell};
-use std::fs::File;
-use std::io::Write;
 use std::rc::Rc;
 use std::sync::Arc;
 
 use warmroute_shm::WorkerId;
 
-use super::{AccessLogTarget, LocalNotify, Shared};
+use super::{AccessLog, AccessLogTarget, LocalNotify, Shared};
 use crate::snapshot::Snapshot;
 use crate::upstream::UpstreamPool;
 
@@ -386,79 +384,6 @@ impl WorkerCtx {
         x ^= x >> 27;
         self.rng.set(x);
         x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-}
-
-/// Per-worker buffered access log: whole lines, flushed by the worker tick or when the
-/// buffer fills, written with one `write` each so lines of different workers never mix.
-pub struct AccessLog {
-    out: Option<File>,
-    buf: Vec<u8>,
-    dropped: u64,
-}
-
-/// Flush when the buffer holds this much.
-const ACCESS_LOG_FLUSH_BYTES: usize = 32 * 1024;
-/// Never hold more than this; lines beyond it are dropped and counted (a stuck stderr must
-/// not grow memory).
-const ACCESS_LOG_BUF_MAX: usize = 1024 * 1024;
-
-impl AccessLog {
-    fn open(target: &AccessLogTarget) -> AccessLog {
-        let out = match target {
-            AccessLogTarget::Off => None,
-            // O_APPEND on the same file stderr points to: safe when stderr is a file, a
-            // pipe or a terminal.
-            AccessLogTarget::Stderr => std::fs::OpenOptions::new()
-                .append(true)
-                .open("/proc/self/fd/2")
-                .ok(),
-            AccessLogTarget::File(p) => std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-                .ok(),
-        };
-        AccessLog {
-            out,
-            buf: Vec::new(),
-            dropped: 0,
-        }
-    }
-
-    pub fn enabled(&self) -> bool {
-        self.out.is_some()
-    }
-
-    /// Append one JSON line.
-    pub fn line(&mut self, v: &serde_json::Value) {
-        if self.out.is_none() {
-            return;
-        }
-        if self.buf.len() > ACCESS_LOG_BUF_MAX {
-            self.dropped += 1;
-            return;
-        }
-        if serde_json::to_writer(&mut self.buf, v).is_ok() {
-            self.buf.push(b'\n');
-        }
-        if self.buf.len() >= ACCESS_LOG_FLUSH_BYTES {
-            self.flush();
-        }
-    }
-
-    pub fn flush(&mut self) {
-        if self.buf.is_empty() {
-            return;
-        }
-        if let Some(f) = self.out.as_mut() {
-            let _ = f.write_all(&self.buf);
-        }
-        self.buf.clear();
-    }
-
-    pub fn dropped(&self) -> u64 {
-        self.dropped
     }
 }
 

@@ -6,6 +6,7 @@
 //! Writes: its own in-flight row and heartbeat in the segment. Never: blocks on another
 //! thread; the only cross-thread traffic is the segment's atomics and the snapshot channel.
 
+mod access_log;
 mod ctx;
 mod listen;
 mod notify;
@@ -21,7 +22,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use warmroute_shm::Segment;
 
-pub use ctx::{AccessLog, PortKind, SpareBodies, Spares, WorkerCtx};
+pub use access_log::{AccessLog, Line};
+pub use ctx::{PortKind, SpareBodies, Spares, WorkerCtx};
 pub use listen::bind_shared;
 pub use notify::LocalNotify;
 
@@ -264,7 +266,8 @@ fn worker_main(
                 }
             }
         }
-        ctx.access_log.borrow_mut().flush();
+        // The worker is done serving: a stuck stderr may hold it up to a second here.
+        ctx.access_log.borrow_mut().finish(Duration::from_secs(1));
         if let Some(sender) = &ctx.bodylog {
             sender.stop();
         }

@@ -1,0 +1,459 @@
+//! The per-worker access log: one JSON object per line, encoded straight into the worker's
+//! buffer (no intermediate map, no per-field allocation), flushed by the worker tick or when
+//! the buffer fills.
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::AsFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::time::{Duration, Instant};
+
+use super::AccessLogTarget;
+
+/// Per-worker buffered access log: whole lines, written with one `write` per flush so lines
+/// of different workers never mix.
+pub struct AccessLog {
+    out: Option<File>,
+    /// The largest write that keeps lines whole next to other workers' writes: any size for
+    /// a regular file (appends are atomic), `PIPE_BUF` for a pipe, a socket or a terminal.
+    write_max: usize,
+    buf: Vec<u8>,
+    dropped: u64,
+}
+
+/// Flush when the buffer holds this much.
+const ACCESS_LOG_FLUSH_BYTES: usize = 32 * 1024;
+/// Never hold more than this; lines beyond it are dropped and counted (a stuck stderr must
+/// not grow memory).
+const ACCESS_LOG_BUF_MAX: usize = 1024 * 1024;
+/// Writes of at most this many bytes to a pipe are atomic (POSIX `PIPE_BUF` on Linux).
+const PIPE_BUF: usize = 4096;
+
+impl AccessLog {
+    pub(super) fn open(target: &AccessLogTarget) -> AccessLog {
+        let out = match target {
+            AccessLogTarget::Off => None,
+            AccessLogTarget::Stderr => open_stderr(),
+            AccessLogTarget::File(p) => std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .ok(),
+        };
+        AccessLog::to(out)
+    }
+
+    fn to(out: Option<File>) -> AccessLog {
+        let regular = out
+            .as_ref()
+            .and_then(|f| f.metadata().ok())
+            .is_some_and(|m| m.file_type().is_file());
+        AccessLog {
+            out,
+            write_max: if regular { usize::MAX } else { PIPE_BUF },
+            buf: Vec::new(),
+            dropped: 0,
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.out.is_some()
+    }
+
+    /// Append one line: `fill` writes the fields, in order, through a [`Line`].
+    pub fn line(&mut self, fill: impl FnOnce(&mut Line<'_>)) {
+        if self.out.is_none() {
+            return;
+        }
+        if self.buf.len() > ACCESS_LOG_BUF_MAX {
+            self.dropped += 1;
+            return;
+        }
+        self.buf.push(b'{');
+        let mut line = Line {
+            buf: &mut self.buf,
+            first: true,
+        };
+        fill(&mut line);
+        self.buf.extend_from_slice(b"}\n");
+        if self.buf.len() >= ACCESS_LOG_FLUSH_BYTES {
+            self.flush();
+        }
+    }
+
+    /// Write what the buffer holds, in whole lines. A full pipe (stderr is non-blocking) or
+    /// a failed output keeps the rest for the next flush; the worker never waits for the
+    /// reader.
+    pub fn flush(&mut self) {
+        let Some(f) = self.out.as_mut() else {
+            return;
+        };
+        let mut done = 0;
+        while done < self.buf.len() {
+            let end = done + whole_lines(&self.buf[done..], self.write_max);
+            match f.write(&self.buf[done..end]) {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
+        }
+        self.buf.drain(..done);
+    }
+
+    /// At exit: flush, and while a full pipe holds lines back, try again for up to `limit`.
+    pub fn finish(&mut self, limit: Duration) {
+        let t0 = Instant::now();
+        self.flush();
+        while !self.buf.is_empty() && self.out.is_some() && t0.elapsed() < limit {
+            std::thread::sleep(Duration::from_millis(5));
+            self.flush();
+        }
+    }
+
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+}
+
+/// The process's stderr as a file of its own. Reopening `/proc/self/fd/2` with `O_APPEND`
+/// is safe when stderr is a file, a pipe or a terminal; a socket (systemd's journal, some
+/// container runtimes) cannot be reopened that way, so it is duplicated instead.
+/// Reopened, the output is non-blocking without changing the process's own stderr (a pipe
+/// reopened this way is a new open file of the same pipe), so a reader that stops reading
+/// fills the buffer instead of stalling the worker. The duplicated socket stays blocking:
+/// making it non-blocking would change stderr for the rest of the process too.
+fn open_stderr() -> Option<File> {
+    std::fs::OpenOptions::new()
+        .append(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open("/proc/self/fd/2")
+        .or_else(|_| dup_stderr())
+        .ok()
+}
+
+/// How much of `buf` (whole lines) one write takes: everything when it fits `max`, else the
+/// lines that fit, else the first line alone (a line longer than `max` may then mix with
+/// another worker's, which only a path of kilobytes makes).
+fn whole_lines(buf: &[u8], max: usize) -> usize {
+    if buf.len() <= max {
+        return buf.len();
+    }
+    match buf[..max].iter().rposition(|&c| c == b'\n') {
+        Some(i) => i + 1,
+        None => buf
+            .iter()
+            .position(|&c| c == b'\n')
+            .map_or(buf.len(), |i| i + 1),
+    }
+}
+
+fn dup_stderr() -> io::Result<File> {
+    Ok(File::from(io::stderr().as_fd().try_clone_to_owned()?))
+}
+
+/// One access-log line being written: a JSON object's members, in the order they are added.
+pub struct Line<'a> {
+    buf: &'a mut Vec<u8>,
+    first: bool,
+}
+
+impl Line<'_> {
+    fn key(&mut self, k: &str) {
+        if !self.first {
+            self.buf.push(b',');
+        }
+        self.first = false;
+        self.buf.push(b'"');
+        self.buf.extend_from_slice(k.as_bytes());
+        self.buf.extend_from_slice(b"\":");
+    }
+
+    pub fn str(&mut self, k: &str, v: &str) {
+        self.key(k);
+        json_string(self.buf, v);
+    }
+
+    pub fn opt_str(&mut self, k: &str, v: Option<&str>) {
+        match v {
+            Some(v) => self.str(k, v),
+            None => self.null(k),
+        }
+    }
+
+    pub fn u64(&mut self, k: &str, v: u64) {
+        self.key(k);
+        decimal(self.buf, v);
+    }
+
+    pub fn opt_u64(&mut self, k: &str, v: Option<u64>) {
+        match v {
+            Some(v) => self.u64(k, v),
+            None => self.null(k),
+        }
+    }
+
+    /// A fixed-point number with three decimals: `thousandths` / 1000 (milliseconds from
+    /// microseconds, seconds from milliseconds).
+    pub fn thousandths(&mut self, k: &str, thousandths: u64) {
+        self.key(k);
+        decimal(self.buf, thousandths / 1000);
+        let frac = thousandths % 1000;
+        self.buf.extend_from_slice(&[
+            b'.',
+            b'0' + (frac / 100) as u8,
+            b'0' + (frac / 10 % 10) as u8,
+            b'0' + (frac % 10) as u8,
+        ]);
+    }
+
+    pub fn opt_thousandths(&mut self, k: &str, v: Option<u64>) {
+        match v {
+            Some(v) => self.thousandths(k, v),
+            None => self.null(k),
+        }
+    }
+
+    fn null(&mut self, k: &str) {
+        self.key(k);
+        self.buf.extend_from_slice(b"null");
+    }
+}
+
+fn decimal(buf: &mut Vec<u8>, mut v: u64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    buf.extend_from_slice(&digits[i..]);
+}
+
+/// `s` as a JSON string: quotes, backslashes and control bytes escaped; everything else
+/// (valid UTF-8 included) copied as it is.
+fn json_string(buf: &mut Vec<u8>, s: &str) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let b = s.as_bytes();
+    buf.reserve(b.len() + 2);
+    buf.push(b'"');
+    let mut from = 0;
+    for (i, &c) in b.iter().enumerate() {
+        let esc: &[u8] = match c {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            b'\n' => b"\\n",
+            b'\r' => b"\\r",
+            b'\t' => b"\\t",
+            0..=0x1f => &[
+                b'\\',
+                b'u',
+                b'0',
+                b'0',
+                HEX[(c >> 4) as usize],
+                HEX[(c & 0xf) as usize],
+            ],
+            _ => continue,
+        };
+        buf.extend_from_slice(&b[from..i]);
+        buf.extend_from_slice(esc);
+        from = i + 1;
+    }
+    buf.extend_from_slice(&b[from..]);
+    buf.push(b'"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    fn log_to_buffer() -> AccessLog {
+        // A real output that is never flushed to: the tests read the buffer.
+        AccessLog::to(Some(dup_stderr().unwrap()))
+    }
+
+    #[test]
+    fn a_line_is_one_json_object_with_the_fields_in_order() {
+        let mut log = log_to_buffer();
+        log.line(|l| {
+            l.thousandths("ts", 1_764_756_000_007);
+            l.str("route", "chat");
+            l.u64("status", 200);
+            l.opt_str("peer", None);
+            l.opt_u64("cached_tokens", Some(0));
+            l.opt_u64("prompt_tokens", None);
+            l.opt_thousandths("ttft_ms", Some(12_345));
+            l.opt_thousandths("none_ms", None);
+            l.thousandths("total_ms", 999);
+            l.u64("max", u64::MAX);
+        });
+        let text = std::str::from_utf8(&log.buf).unwrap();
+        assert!(text.ends_with("}\n") && text.matches('\n').count() == 1);
+        assert!(
+            text.starts_with(r#"{"ts":1764756000.007,"route":"chat","status":200,"peer":null"#),
+            "{text}"
+        );
+        let v: Value = serde_json::from_str(text).unwrap();
+        assert_eq!(
+            v,
+            json!({
+                "ts": 1764756000.007, "route": "chat", "status": 200, "peer": null,
+                "cached_tokens": 0, "prompt_tokens": null, "ttft_ms": 12.345,
+                "none_ms": null, "total_ms": 0.999, "max": u64::MAX,
+            })
+        );
+    }
+
+    #[test]
+    fn strings_round_trip_through_a_json_parser_whatever_they_hold() {
+        let nasty = [
+            "",
+            "plain",
+            "a\"quote",
+            "back\\slash\\",
+            "new\nline\r\ttab",
+            "\u{0}\u{1}\u{1f}\u{7f}",
+            "/path?q=\"x\"&y=\\u0041",
+            "ünïcödé ✓ 🚀",
+            "\"",
+        ];
+        let mut log = log_to_buffer();
+        for s in nasty {
+            log.line(|l| l.str("s", s));
+        }
+        let text = std::str::from_utf8(&log.buf).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), nasty.len(), "no string broke its line");
+        for (line, s) in lines.iter().zip(nasty) {
+            let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}"));
+            assert_eq!(v["s"], s);
+        }
+    }
+
+    #[test]
+    fn numbers_print_every_digit() {
+        let mut buf = Vec::new();
+        for v in [0, 7, 10, 99, 100, 1234567890, u64::MAX] {
+            buf.clear();
+            decimal(&mut buf, v);
+            assert_eq!(buf, v.to_string().as_bytes());
+        }
+    }
+
+    /// The write end of a pipe opened anew, non-blocking, like the reopened stderr.
+    fn non_blocking(writer: &std::io::PipeWriter) -> File {
+        use std::os::fd::AsRawFd;
+        std::fs::OpenOptions::new()
+            .append(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(format!("/proc/self/fd/{}", writer.as_raw_fd()))
+            .unwrap()
+    }
+
+    #[test]
+    fn at_exit_the_held_lines_go_out_once_the_reader_is_back() {
+        use std::io::Read;
+        let (mut reader, writer) = std::io::pipe().unwrap();
+        let mut log = AccessLog::to(Some(non_blocking(&writer)));
+        for n in 0..2000 {
+            log.line(|l| l.str("pad", &format!("{n:0>100}")));
+        }
+        log.flush();
+        let held = log.buf.len();
+        assert!(held > 0, "the pipe is full and the buffer holds the rest");
+        drop(writer);
+        let reading = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            let mut all = Vec::new();
+            reader.read_to_end(&mut all).unwrap();
+            all
+        });
+        log.finish(Duration::from_secs(5));
+        assert!(
+            log.buf.is_empty(),
+            "{} of {held} bytes still held",
+            log.buf.len()
+        );
+        drop(log);
+        let all = reading.join().unwrap();
+        assert_eq!(all.iter().filter(|&&c| c == b'\n').count(), 2000);
+    }
+
+    #[test]
+    fn writes_end_on_a_line_end_and_fit_the_limit_when_a_line_does() {
+        let b = b"aaa\nbbb\nccc\n";
+        assert_eq!(whole_lines(b, 100), b.len());
+        assert_eq!(whole_lines(b, 9), 8);
+        assert_eq!(whole_lines(b, 4), 4);
+        // A line longer than the limit goes whole, alone.
+        assert_eq!(whole_lines(b"aaaaaaaa\nb\n", 4), 9);
+        assert_eq!(whole_lines(b"aaaaaaaa", 4), 8);
+    }
+
+    #[test]
+    fn a_pipe_nobody_reads_keeps_lines_in_the_buffer_and_never_blocks_the_flush() {
+        use std::io::Read;
+        let (mut reader, writer) = std::io::pipe().unwrap();
+        let mut log = AccessLog::to(Some(non_blocking(&writer)));
+        assert_eq!(log.write_max, PIPE_BUF);
+        // Far more than the pipe holds (64 KiB by default); flushed on a thread, so a flush
+        // that waited for the reader fails the test instead of hanging it.
+        const LINES: u64 = 3000;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for n in 0..LINES {
+                log.line(|l| {
+                    l.u64("n", n);
+                    l.str("pad", &"x".repeat(100));
+                });
+            }
+            log.flush();
+            tx.send(log).unwrap();
+        });
+        let mut log = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the flush returned although nobody reads the pipe");
+        assert!(!log.buf.is_empty(), "what the pipe did not take is kept");
+        assert_eq!(log.dropped(), 0);
+        // The reader catches up: every line arrives once, whole and in order.
+        let mut got = Vec::new();
+        let mut chunk = vec![0; 1 << 16];
+        while !log.buf.is_empty() {
+            let n = reader.read(&mut chunk).unwrap();
+            got.extend_from_slice(&chunk[..n]);
+            log.flush();
+        }
+        drop(log);
+        drop(writer);
+        reader.read_to_end(&mut got).unwrap();
+        let text = String::from_utf8(got).unwrap();
+        let ns: Vec<u64> = text
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<Value>(l).unwrap()["n"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(ns, (0..LINES).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_full_buffer_drops_and_counts_lines_instead_of_growing() {
+        let mut log = log_to_buffer();
+        log.buf = vec![b'x'; ACCESS_LOG_BUF_MAX + 1];
+        log.line(|l| l.u64("n", 1));
+        log.line(|l| l.u64("n", 2));
+        assert_eq!(log.dropped(), 2);
+        assert_eq!(log.buf.len(), ACCESS_LOG_BUF_MAX + 1);
+        // The control: below the limit a line is kept.
+        log.buf.clear();
+        log.line(|l| l.u64("n", 3));
+        assert_eq!(log.buf, b"{\"n\":3}\n");
+    }
+}
