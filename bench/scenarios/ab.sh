@@ -10,13 +10,16 @@
 #              round's req/s and p99 and the medians of B/A over rounds (p99 under a quota is
 #              mostly how long the quota stalls the proxy); writes bench/out/ab-TS.json. No
 #              section of RESULTS.md: the notes quote it with its command.
-#              Knobs: AB_A, AB_B, AB_ROUNDS (6), AB_CASE (json or stream, default json),
-#              AB_ID (body, header or none; default body), BENCH_DURATION, BENCH_CONNS.
+#              Knobs: AB_A, AB_B, AB_ROUNDS (6), AB_CASE (json, stream or prompt; default json),
+#              AB_ID (body, header or none; default body), AB_ACCESS_LOG (off, default, or
+#              on: each router logs to a file in its work directory), BENCH_DURATION,
+#              BENCH_CONNS.
 #              Example: git worktree add /tmp/prev HEAD~1 && (cd /tmp/prev && cargo build
 #              --release) && AB_A=/tmp/prev/target/release/warmroute bench/run ab
 AB_ROUNDS=${AB_ROUNDS:-6}
 AB_CASE=${AB_CASE:-json}
 AB_ID=${AB_ID:-body}
+AB_ACCESS_LOG=${AB_ACCESS_LOG:-off}
 
 scenario_ab() {
   [[ -n ${AB_A:-} && -x ${AB_A:-} ]] || die "ab: set AB_A to a warmroute binary (the baseline)"
@@ -37,8 +40,10 @@ scenario_ab() {
       "$port" $((port + 1)) "$shm" >"$dir/warmroute.toml"
     printf 'peers = [ { host = "127.0.0.1", port = %s, name = "b1", max_concurrency = 100000 } ]\n' \
       "$p" >"$dir/routes/bench.toml"
+    local log_arg=off
+    [[ $AB_ACCESS_LOG == on ]] && log_arg=$dir/access.log
     spawn "wr-$name" "$PROXY_CPU" "$WORK/wr-$name.log" "$bin" serve --config "$dir/warmroute.toml" \
-      --access-log off --workers 1 --no-pin
+      --access-log "$log_arg" --workers 1 --no-pin
     wait_http "wr-$name" "http://127.0.0.1:$((port + 1))/readyz" 200
   done
   place pinned "$(seq -s, 0 $(($(nproc) - 1)))"

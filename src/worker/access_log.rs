@@ -159,6 +159,7 @@ pub struct Line<'a> {
 }
 
 impl Line<'_> {
+    #[inline]
     fn key(&mut self, k: &str) {
         if !self.first {
             self.buf.push(b',');
@@ -169,11 +170,13 @@ impl Line<'_> {
         self.buf.extend_from_slice(b"\":");
     }
 
+    #[inline]
     pub fn str(&mut self, k: &str, v: &str) {
         self.key(k);
         json_string(self.buf, v);
     }
 
+    #[inline]
     pub fn opt_str(&mut self, k: &str, v: Option<&str>) {
         match v {
             Some(v) => self.str(k, v),
@@ -181,11 +184,13 @@ impl Line<'_> {
         }
     }
 
+    #[inline]
     pub fn u64(&mut self, k: &str, v: u64) {
         self.key(k);
         decimal(self.buf, v);
     }
 
+    #[inline]
     pub fn opt_u64(&mut self, k: &str, v: Option<u64>) {
         match v {
             Some(v) => self.u64(k, v),
@@ -195,6 +200,7 @@ impl Line<'_> {
 
     /// A fixed-point number with three decimals: `thousandths` / 1000 (milliseconds from
     /// microseconds, seconds from milliseconds).
+    #[inline]
     pub fn thousandths(&mut self, k: &str, thousandths: u64) {
         self.key(k);
         decimal(self.buf, thousandths / 1000);
@@ -207,6 +213,7 @@ impl Line<'_> {
         ]);
     }
 
+    #[inline]
     pub fn opt_thousandths(&mut self, k: &str, v: Option<u64>) {
         match v {
             Some(v) => self.thousandths(k, v),
@@ -214,6 +221,7 @@ impl Line<'_> {
         }
     }
 
+    #[inline]
     fn null(&mut self, k: &str) {
         self.key(k);
         self.buf.extend_from_slice(b"null");

@@ -1,0 +1,89 @@
+# bench/scenarios/callgrind.sh — scenario "callgrind" for bench/run (sourced; uses its helpers).
+#
+#   callgrind  instructions per request, counted by valgrind's callgrind: repeatable where
+#              wall-clock rounds are not (a shared VM, a noisy neighbour). Each binary in
+#              CG_BINS (default: the release build) runs one worker under callgrind in front
+#              of the static nginx backend. After CG_WARMUP of unmeasured load the counters
+#              are zeroed, wrk drives one connection for CG_DURATION, and the counters are
+#              dumped, so start-up is not counted. Prints, per binary, instructions per request
+#              for the whole process and for the request task (pipeline::proxy, inclusive)
+#              and writes bench/out/callgrind-TS.json. No section of RESULTS.md: the notes
+#              quote it with its command.
+#              Knobs: CG_BINS (space-separated warmroute binaries), CG_CASE (json, stream or
+#              prompt; default json), CG_ID (body, header or none; default body),
+#              CG_ACCESS_LOG (off, default, or on: a file in the work dir), CG_WARMUP (2s),
+#              CG_DURATION (10s).
+#              Example: CG_BINS="/tmp/prev/warmroute target/release/warmroute" CG_ACCESS_LOG=on
+#              bench/run callgrind
+CG_CASE=${CG_CASE:-json}
+CG_ID=${CG_ID:-body}
+CG_ACCESS_LOG=${CG_ACCESS_LOG:-off}
+CG_WARMUP=${CG_WARMUP:-2s}
+CG_DURATION=${CG_DURATION:-10s}
+
+scenario_callgrind() {
+  command -v valgrind >/dev/null && command -v callgrind_control >/dev/null ||
+    die "callgrind: needs valgrind (apt-get install valgrind)"
+  local bins=${CG_BINS:-$BIN_DIR/warmroute}
+  begin_scenario callgrind
+  local ts=$TS p=$BASE_PORT
+  start_backend_nginx "$p" "$BACKEND_CPU"
+  wait_http backend "http://127.0.0.1:$p/health" 200
+  : >"$WORK/results.tsv"
+  local i=0 bin
+  for bin in $bins; do
+    [[ -x $bin ]] || die "callgrind: $bin is not an executable"
+    i=$((i + 1))
+    local name=cg-$i port=$((p + 10 * i)) dir=$WORK/cg-$i shm=/dev/shm/warmroute-bench-cg-$((p + 10 * i))
+    mkdir -p "$dir/routes"
+    SHM_FILES+=("$shm")
+    printf 'listen = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\nroutes_dir = "routes"\nshm_path = "%s"\n' \
+      "$port" $((port + 1)) "$shm" >"$dir/warmroute.toml"
+    printf 'peers = [ { host = "127.0.0.1", port = %s, name = "b1", max_concurrency = 100000 } ]\n' \
+      "$p" >"$dir/routes/bench.toml"
+    local log_arg=off
+    [[ $CG_ACCESS_LOG == on ]] && log_arg=$dir/access.log
+    spawn "$name" "$PROXY_CPU" "$WORK/$name.log" valgrind --tool=callgrind \
+      --callgrind-out-file="$dir/callgrind.out" "$bin" serve --config "$dir/warmroute.toml" \
+      --access-log "$log_arg" --workers 1 --no-pin
+    wait_http "$name" "http://127.0.0.1:$((port + 1))/readyz" 200
+    local pid
+    pid=$(proc_pid "$name")
+    local url=http://127.0.0.1:$port args=(/bench/v1/chat/completions "$CG_CASE" 64 "$CG_ID")
+    log "$name: $bin; $CG_WARMUP unmeasured, then $CG_DURATION at -c1 ($CG_CASE, id: $CG_ID, access log: $CG_ACCESS_LOG)"
+    wrk -t1 -c1 -d"$CG_WARMUP" -s "$BENCH_DIR/wrk/chat.lua" "$url" -- "${args[@]}" >/dev/null
+    callgrind_control -z "$pid" >/dev/null 2>&1
+    wrk -t1 -c1 -d"$CG_DURATION" -s "$BENCH_DIR/wrk/chat.lua" "$url" -- "${args[@]}" >"$dir/wrk.txt"
+    callgrind_control -d "$pid" >/dev/null 2>&1
+    local dump requests total task
+    # The first (and only) dump callgrind_control asked for.
+    dump=$dir/callgrind.out.1
+    [[ -s $dump ]] || die "$name: no callgrind dump at $dump"
+    requests=$(awk '/requests in/{print $1}' "$dir/wrk.txt")
+    total=$(callgrind_annotate "$dump" 2>/dev/null | awk '/PROGRAM TOTALS/{gsub(",","",$1); print $1}')
+    task=$(callgrind_annotate --inclusive=yes "$dump" 2>/dev/null |
+      awk '/pipeline::proxy::\{\{closure\}\} \[/ && !seen {gsub(",","",$1); print $1; seen=1}')
+    printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$bin" "$requests" "$total" "${task:-0}" >>"$WORK/results.tsv"
+    log "$(awk -F'\t' -v n="$name" '$1==n{printf "%s: %d requests, %.0f instructions per request, %.0f in the request task", n, $3, $4/$3, $5/$3}' "$WORK/results.tsv")"
+    forget_proc "$name"
+  done
+  local json_out=$OUT_DIR/callgrind-$ts.json
+  python3 - "$WORK/results.tsv" "$json_out" "$CG_CASE" "$CG_ID" "$CG_ACCESS_LOG" "$(git_rev)" <<'EOF'
+import json, sys
+res, out, case, idw, alog, git = sys.argv[1:7]
+rows = []
+for line in open(res):
+    name, binary, n, total, task = line.rstrip("\n").split("\t")
+    n, total, task = int(n), int(total), int(task)
+    rows.append({"name": name, "binary": binary, "requests": n,
+                 "instructions_per_request": round(total / n),
+                 "request_task_instructions_per_request": round(task / n)})
+json.dump({"case": case, "id": idw, "access_log": alog, "git": git, "runs": rows},
+          open(out, "w"), indent=1)
+print(f"{'binary':<60} {'requests':>9} {'Ir/req':>9} {'task Ir/req':>12}")
+for r in rows:
+    print(f"{r['binary']:<60} {r['requests']:>9} {r['instructions_per_request']:>9} "
+          f"{r['request_task_instructions_per_request']:>12}")
+EOF
+  log "results: $json_out"
+}
