@@ -22,8 +22,13 @@ CG_WARMUP=${CG_WARMUP:-2s}
 CG_DURATION=${CG_DURATION:-10s}
 
 scenario_callgrind() {
-  command -v valgrind >/dev/null && command -v callgrind_control >/dev/null ||
-    die "callgrind: needs valgrind (apt-get install valgrind)"
+  if ! command -v callgrind_control >/dev/null; then
+    log "installing: valgrind"
+    local sudo=()
+    [[ $(id -u) -eq 0 ]] || sudo=(sudo)
+    "${sudo[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq valgrind
+  fi
   local bins=${CG_BINS:-$BIN_DIR/warmroute}
   begin_scenario callgrind
   local ts=$TS p=$BASE_PORT
