@@ -282,7 +282,17 @@ fn multi_turn_conversation_shows_cache_hits() {
         );
         assert_eq!(r.status, 200);
     }
-    let st = request(env.public(), &get("/r/_route_state")).json();
+    // The router counts a response's usage after its last byte went to the client, so the
+    // state read right after may be a response behind: wait for all four.
+    let mut st = serde_json::Value::Null;
+    eventually(
+        Duration::from_secs(5),
+        "usage of 4 responses counted",
+        || {
+            st = request(env.public(), &get("/r/_route_state")).json();
+            st["cache"]["responses_with_usage"] == 4
+        },
+    );
     let c = &st["cache"];
     assert!(c["cached_tokens"].as_u64().unwrap() > 0, "{c}");
     assert!(c["hit_rate"].as_f64().unwrap() > 0.3, "{c}");

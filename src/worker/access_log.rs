@@ -10,10 +10,13 @@ use std::time::{Duration, Instant};
 
 use super::AccessLogTarget;
 
-/// Per-worker buffered access log: whole lines, written with one `write` per flush so lines
-/// of different workers never mix.
+/// Per-worker buffered access log, written in whole lines so lines of different workers
+/// never mix.
 pub struct AccessLog {
     out: Option<File>,
+    /// The last flush left lines behind (a full pipe): until the next tick's flush, a full
+    /// buffer does not try again on every request.
+    stalled: bool,
     /// The largest write that keeps lines whole next to other workers' writes: any size for
     /// a regular file (appends are atomic), `PIPE_BUF` for a pipe, a socket or a terminal.
     write_max: usize,
@@ -50,6 +53,7 @@ impl AccessLog {
             .is_some_and(|m| m.file_type().is_file());
         AccessLog {
             out,
+            stalled: false,
             write_max: if regular { usize::MAX } else { PIPE_BUF },
             buf: Vec::new(),
             dropped: 0,
@@ -76,14 +80,14 @@ impl AccessLog {
         };
         fill(&mut line);
         self.buf.extend_from_slice(b"}\n");
-        if self.buf.len() >= ACCESS_LOG_FLUSH_BYTES {
+        if self.buf.len() >= ACCESS_LOG_FLUSH_BYTES && !self.stalled {
             self.flush();
         }
     }
 
     /// Write what the buffer holds, in whole lines. A full pipe (stderr is non-blocking) or
     /// a failed output keeps the rest for the next flush; the worker never waits for the
-    /// reader.
+    /// reader. The worker's tick calls it.
     pub fn flush(&mut self) {
         let Some(f) = self.out.as_mut() else {
             return;
@@ -99,6 +103,7 @@ impl AccessLog {
             }
         }
         self.buf.drain(..done);
+        self.stalled = !self.buf.is_empty();
     }
 
     /// At exit: flush, and while a full pipe holds lines back, try again for up to `limit`.
@@ -119,6 +124,7 @@ impl AccessLog {
 /// The process's stderr as a file of its own. Reopening `/proc/self/fd/2` with `O_APPEND`
 /// is safe when stderr is a file, a pipe or a terminal; a socket (systemd's journal, some
 /// container runtimes) cannot be reopened that way, so it is duplicated instead.
+///
 /// Reopened, the output is non-blocking without changing the process's own stderr (a pipe
 /// reopened this way is a new open file of the same pipe), so a reader that stops reading
 /// fills the buffer instead of stalling the worker. The duplicated socket stays blocking:
@@ -428,13 +434,36 @@ mod tests {
             .expect("the flush returned although nobody reads the pipe");
         assert!(!log.buf.is_empty(), "what the pipe did not take is kept");
         assert_eq!(log.dropped(), 0);
-        // The reader catches up: every line arrives once, whole and in order.
+        // Stalled, a full buffer does not retry on every line: with the pipe drained, a new
+        // line writes nothing until the tick's flush.
         let mut got = Vec::new();
         let mut chunk = vec![0; 1 << 16];
-        while !log.buf.is_empty() {
-            let n = reader.read(&mut chunk).unwrap();
+        let mut nb_reader = {
+            use std::os::fd::AsRawFd;
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(format!("/proc/self/fd/{}", reader.as_raw_fd()))
+                .unwrap()
+        };
+        while let Ok(n @ 1..) = nb_reader.read(&mut chunk) {
             got.extend_from_slice(&chunk[..n]);
+        }
+        log.line(|l| {
+            l.u64("n", LINES);
+            l.str("pad", "");
+        });
+        let mut probe = [0u8; 1];
+        assert!(
+            nb_reader.read(&mut probe).is_err(),
+            "a line written while stalled went out before the tick's flush"
+        );
+        // The reader catches up: every line arrives once, whole and in order.
+        while !log.buf.is_empty() {
             log.flush();
+            while let Ok(n @ 1..) = nb_reader.read(&mut chunk) {
+                got.extend_from_slice(&chunk[..n]);
+            }
         }
         drop(log);
         drop(writer);
@@ -448,7 +477,7 @@ mod tests {
                     .unwrap()
             })
             .collect();
-        assert_eq!(ns, (0..LINES).collect::<Vec<_>>());
+        assert_eq!(ns, (0..=LINES).collect::<Vec<_>>());
     }
 
     #[test]
