@@ -33,13 +33,8 @@ scenario_ab() {
   local name bin port
   for name in A B; do
     if [[ $name == A ]]; then bin=$a port=$((p + 10)); else bin=$b port=$((p + 20)); fi
-    local dir=$WORK/wr-$name shm=/dev/shm/warmroute-bench-ab-$port
-    mkdir -p "$dir/routes"
-    SHM_FILES+=("$shm")
-    printf 'listen = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\nroutes_dir = "routes"\nshm_path = "%s"\n' \
-      "$port" $((port + 1)) "$shm" >"$dir/warmroute.toml"
-    printf 'peers = [ { host = "127.0.0.1", port = %s, name = "b1", max_concurrency = 100000 } ]\n' \
-      "$p" >"$dir/routes/bench.toml"
+    local dir=$WORK/wr-$name
+    write_warmroute_config "$dir" "$port" $((port + 1)) "$p" /dev/shm/warmroute-bench-ab-$port
     local log_arg=off
     [[ $AB_ACCESS_LOG == on ]] && log_arg=$dir/access.log
     spawn "wr-$name" "$PROXY_CPU" "$WORK/wr-$name.log" "$bin" serve --config "$dir/warmroute.toml" \

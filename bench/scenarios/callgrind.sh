@@ -39,13 +39,8 @@ scenario_callgrind() {
   for bin in $bins; do
     [[ -x $bin ]] || die "callgrind: $bin is not an executable"
     i=$((i + 1))
-    local name=cg-$i port=$((p + 10 * i)) dir=$WORK/cg-$i shm=/dev/shm/warmroute-bench-cg-$((p + 10 * i))
-    mkdir -p "$dir/routes"
-    SHM_FILES+=("$shm")
-    printf 'listen = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\nroutes_dir = "routes"\nshm_path = "%s"\n' \
-      "$port" $((port + 1)) "$shm" >"$dir/warmroute.toml"
-    printf 'peers = [ { host = "127.0.0.1", port = %s, name = "b1", max_concurrency = 100000 } ]\n' \
-      "$p" >"$dir/routes/bench.toml"
+    local name=cg-$i port=$((p + 10 * i)) dir=$WORK/cg-$i
+    write_warmroute_config "$dir" "$port" $((port + 1)) "$p" /dev/shm/warmroute-bench-cg-$port
     local log_arg=off
     [[ $CG_ACCESS_LOG == on ]] && log_arg=$dir/access.log
     spawn "$name" "$PROXY_CPU" "$WORK/$name.log" valgrind --tool=callgrind \
