@@ -453,8 +453,14 @@ fn a_client_slow_to_read_is_not_an_idle_peer() {
 
 /// A backend that holds every response until `burst` requests are waiting at once, then
 /// answers them all: the router must have `burst` upstream connections open together.
-/// Counts the connections it accepted.
-fn gated_backend(burst: usize) -> (std::net::SocketAddr, std::sync::Arc<AtomicUsize>) {
+/// Counts the connections it accepted and the requests it read.
+fn gated_backend(
+    burst: usize,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<AtomicUsize>,
+    std::sync::Arc<AtomicUsize>,
+) {
     use std::sync::{Arc, Condvar, Mutex};
     // A backlog for the whole burst: the router opens its connections all at once, and
     // std's default (128) would drop some SYNs while this thread is busy spawning.
@@ -467,11 +473,14 @@ fn gated_backend(burst: usize) -> (std::net::SocketAddr, std::sync::Arc<AtomicUs
     let accepted = Arc::new(AtomicUsize::new(0));
     // Requests seen so far; a request is answered once its whole burst has arrived.
     let gate = Arc::new((Mutex::new(0usize), Condvar::new()));
+    let requests = Arc::new(AtomicUsize::new(0));
     let acc = accepted.clone();
+    let req = requests.clone();
     serve_each(l, move |mut s| {
         acc.fetch_add(1, SeqCst);
         let mut buf = Vec::new();
         while read_request(&mut s, &mut buf).is_some() {
+            req.fetch_add(1, SeqCst);
             let (seen, cv) = &*gate;
             let mut n = seen.lock().unwrap();
             *n += 1;
@@ -488,13 +497,13 @@ fn gated_backend(burst: usize) -> (std::net::SocketAddr, std::sync::Arc<AtomicUs
             }
         }
     });
-    (addr, accepted)
+    (addr, accepted, requests)
 }
 
 /// `bursts` rounds of `clients` concurrent GETs over the same client connections (so each
 /// lands on the same worker every round); returns the backend's accepted connections.
 fn bursts_through(server_extra: &str, clients: usize, bursts: usize) -> usize {
-    let (b, accepted) = gated_backend(clients);
+    let (b, accepted, requests) = gated_backend(clients);
     let route = format!(
         "peers = [ {{ host = \"127.0.0.1\", port = {}, max_concurrency = 10000 }} ]\n\
          connect_timeout_ms = 15000\n",
@@ -509,13 +518,25 @@ fn bursts_through(server_extra: &str, clients: usize, bursts: usize) -> usize {
                 let mut c = c.try_clone().unwrap();
                 std::thread::spawn(move || {
                     c.write_all(&get("/r/x")).unwrap();
-                    read_response(&mut BufReader::new(c), false).unwrap().status
+                    read_response(&mut BufReader::new(c), false).map(|r| r.status)
                 })
             })
             .collect();
-        for h in handles {
-            assert_eq!(h.join().unwrap(), 200, "round {round}");
-        }
+        let statuses: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        // On a failure, say how far the burst got: how many requests reached the backend
+        // (it answers none of a burst until all of it has arrived) and on how many
+        // connections.
+        let ok = statuses.iter().filter(|s| matches!(s, Ok(200))).count();
+        assert_eq!(
+            ok,
+            clients,
+            "round {round}: {ok} of {clients} answered 200 (first failure: {:?}); the backend \
+             read {} requests in all (want {}) on {} connections",
+            statuses.iter().find(|s| !matches!(s, Ok(200))),
+            requests.load(SeqCst),
+            (round + 1) * clients,
+            accepted.load(SeqCst)
+        );
     }
     accepted.load(SeqCst)
 }

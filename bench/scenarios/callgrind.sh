@@ -4,7 +4,7 @@
 #              wall-clock rounds are not (a shared VM, a noisy neighbour). Each binary in
 #              CG_BINS (default: the release build) runs one worker under callgrind in front
 #              of the static nginx backend. After CG_WARMUP of unmeasured load the counters
-#              are zeroed, wrk drives one connection for CG_DURATION, and the counters are
+#              are zeroed, wrk drives CG_CONNS connections for CG_DURATION, and the counters are
 #              dumped, so start-up is not counted. Prints, per binary, instructions per request
 #              for the whole process and for the request task (pipeline::proxy, inclusive)
 #              and writes bench/out/callgrind-TS.json. No section of RESULTS.md: the notes
@@ -12,7 +12,9 @@
 #              Knobs: CG_BINS (space-separated warmroute binaries), CG_CASE (json, stream or
 #              prompt; default json), CG_ID (body, header or none; default body),
 #              CG_ACCESS_LOG (off, default, or on: a file in the work dir), CG_WARMUP (2s),
-#              CG_DURATION (10s).
+#              CG_DURATION (10s), CG_CONNS (wrk connections, default 1: at 1 every request
+#              pays a park of the runtime; 32 queues requests as a saturating load does,
+#              so per-park costs are shared by many requests).
 #              Example: CG_BINS="/tmp/prev/warmroute target/release/warmroute" CG_ACCESS_LOG=on
 #              bench/run callgrind
 CG_CASE=${CG_CASE:-json}
@@ -20,6 +22,7 @@ CG_ID=${CG_ID:-body}
 CG_ACCESS_LOG=${CG_ACCESS_LOG:-off}
 CG_WARMUP=${CG_WARMUP:-2s}
 CG_DURATION=${CG_DURATION:-10s}
+CG_CONNS=${CG_CONNS:-1}
 
 scenario_callgrind() {
   if ! command -v callgrind_control >/dev/null; then
@@ -50,10 +53,10 @@ scenario_callgrind() {
     local pid
     pid=$(proc_pid "$name")
     local url=http://127.0.0.1:$port args=(/bench/v1/chat/completions "$CG_CASE" 64 "$CG_ID")
-    log "$name: $bin; $CG_WARMUP unmeasured, then $CG_DURATION at -c1 ($CG_CASE, id: $CG_ID, access log: $CG_ACCESS_LOG)"
-    wrk -t1 -c1 -d"$CG_WARMUP" -s "$BENCH_DIR/wrk/chat.lua" "$url" -- "${args[@]}" >/dev/null
+    log "$name: $bin; $CG_WARMUP unmeasured, then $CG_DURATION at -c$CG_CONNS ($CG_CASE, id: $CG_ID, access log: $CG_ACCESS_LOG)"
+    wrk -t1 -c"$CG_CONNS" -d"$CG_WARMUP" -s "$BENCH_DIR/wrk/chat.lua" "$url" -- "${args[@]}" >/dev/null
     callgrind_control -z "$pid" >/dev/null 2>&1
-    wrk -t1 -c1 -d"$CG_DURATION" -s "$BENCH_DIR/wrk/chat.lua" "$url" -- "${args[@]}" >"$dir/wrk.txt"
+    wrk -t1 -c"$CG_CONNS" -d"$CG_DURATION" -s "$BENCH_DIR/wrk/chat.lua" "$url" -- "${args[@]}" >"$dir/wrk.txt"
     callgrind_control -d "$pid" >/dev/null 2>&1
     local dump requests total task
     # The first (and only) dump callgrind_control asked for.
