@@ -14,7 +14,7 @@ import sys
 from datetime import datetime, timezone
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import add_common_args, machine_info, read, update_md  # noqa: E402
+from report import CHART_SKIPPED, add_common_args, machine_info, pyplot, read, write_outputs  # noqa: E402
 
 PARTY_ORDER = ["wr-crc32", "wr-crc32-bounded", "wr-crc32-prio", "wr-crc32-noshed", "wr-table-bounded", "wr-table-prio", "wr-table-noshed", "wr-rendezvous", "wr-noid", "haproxy-sticky", "haproxy-rr"]
 PARTY_TITLES = {
@@ -138,13 +138,9 @@ def render_md(args, data):
 
 
 def draw_chart(path, runs):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "Chart: skipped (matplotlib is not installed; `pip install matplotlib` and re-run)."
+    plt = pyplot()
+    if plt is None:
+        return CHART_SKIPPED
     loads = sorted({r["load"] for r in runs})
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     ideal = {}
@@ -206,12 +202,7 @@ def main():
         "commands": read(os.path.join(args.work, "commands.txt")).splitlines(),
         "runs": runs,
     }
-    with open(args.out, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    if args.results_md:
-        update_md(args.results_md, "affinity", render_md(args, data))
-    print(render_md(args, data))
+    write_outputs(args, "affinity", data, render_md(args, data))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import add_common_args, machine_info, read, update_md  # noqa: E402
+from report import CHART_SKIPPED, add_common_args, machine_info, pyplot, read, write_outputs  # noqa: E402
 
 PARTY_TITLES = {
     "direct": "single warm backend (direct, 1 conversation per engine)",
@@ -398,13 +398,9 @@ def verdict_for(base, wr):
 
 
 def draw_chart(path, parties):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "Chart: skipped (matplotlib is not installed; `pip install matplotlib` and re-run)."
+    plt = pyplot()
+    if plt is None:
+        return CHART_SKIPPED
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.5))
     names = [SHORT.get(p["party"], p["party"]) for p in parties]
     xs = range(len(parties))
@@ -493,13 +489,7 @@ def main():
     }
     data["verdict"] = verdict(parties)
     args.chart_note = draw_chart(args.chart, parties) if args.chart else ""
-    with open(args.out, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    md = render_md(args, data)
-    if args.results_md:
-        update_md(args.results_md, "engine", md)
-    print(md)
+    write_outputs(args, "engine", data, render_md(args, data))
 
 
 if __name__ == "__main__":

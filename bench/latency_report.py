@@ -7,7 +7,6 @@ Per round and placement, a party's added latency is its p50 minus direct's p50 i
 round and placement; the tables give the median over rounds (and the range)."""
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -15,7 +14,7 @@ from datetime import datetime, timezone
 
 sys.dont_write_bytecode = True  # no bench/__pycache__ from importing report.py
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import add_common_args, load_jsonl, machine_info, read, update_md  # noqa: E402
+from report import CHART_SKIPPED, add_common_args, load_jsonl, machine_info, pyplot, read, write_outputs  # noqa: E402
 
 PARTIES = ["direct", "warmroute-1w-body", "nginx-1w", "haproxy-1t"]
 TITLES = {
@@ -133,13 +132,19 @@ def render_md(args, data):
         )
         lines.append(f"{PLACEMENT_TITLES[pl]}: +{a:.0f} µs {ok} ({others})")
     add(f"**Target** — warmroute adds ≤ {TARGET_US} µs to the unloaded p50: " + "; ".join(lines) + ".")
-    if wr.get("across") and wr.get("awake") and wr.get("local"):
+    if all(wr.get(pl) for pl in ("across", "awake", "local")):
         a, w, lo = added("across"), added("awake"), added("local")
         add("")
         add(f"Where warmroute's +{a:.0f} µs across cores goes: about {a - w:.0f} µs is waking halted cores "
             f"(across − no core idle), about {w - lo:.0f} µs is signalling the other core (no core idle − "
-            f"one core), and {lo:.0f} µs is the proxy's own work (one core). nginx and haproxy pay the same "
-            f"first two costs on the same hops.")
+            f"one core), and {lo:.0f} µs is the proxy's own work (one core).")
+        others = []
+        for p in ("nginx-1w", "haproxy-1t"):
+            a, w, lo = (added(pl, p) for pl in ("across", "awake", "local"))
+            if None not in (a, w, lo):
+                others.append(f"{p.split('-')[0]} {a - w:.0f} / {w - lo:.0f} / {lo:.0f} µs")
+        if others:
+            add(f"The same split for the others (waking / signalling / own work): {'; '.join(others)}.")
     if args.chart_note:
         add("")
         add(args.chart_note)
@@ -147,13 +152,9 @@ def render_md(args, data):
 
 
 def draw_chart(path, data):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "Chart: skipped (matplotlib is not installed; `pip install matplotlib` and re-run)."
+    plt = pyplot()
+    if plt is None:
+        return CHART_SKIPPED
     parties = [p for p in PARTIES if p != "direct"]
     pls = data["placements"]
     fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -216,12 +217,7 @@ def main():
     }
     args.chart_note = draw_chart(args.chart, data) if args.chart else ""
     md = render_md(args, data)
-    with open(args.out, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    if args.results_md:
-        update_md(args.results_md, "latency", md)
-    print(md)
+    write_outputs(args, "latency", data, md)
 
 
 if __name__ == "__main__":

@@ -622,6 +622,32 @@ def update_md(path, scenario, section):
         f.write(text)
 
 
+CHART_SKIPPED = "Chart: skipped (matplotlib is not installed; `pip install matplotlib` and re-run)."
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display), or None when matplotlib is not
+    installed: the charts are optional."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def write_outputs(args, scenario, data, md):
+    """A scenario report's outputs: the JSON file, the scenario's section of RESULTS.md
+    (when there is one to update) and the section on stdout."""
+    with open(args.out, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    if args.results_md:
+        update_md(args.results_md, scenario, md)
+    print(md)
+
 def add_common_args(ap, command=""):
     """The arguments bench/run gives every scenario report: its work directory, the JSON file to
     write, the RESULTS.md to update, the run's timestamp and git revision, the chart path and

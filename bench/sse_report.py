@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 
 sys.dont_write_bytecode = True  # no bench/__pycache__ from importing report.py
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import add_common_args, machine_info, read, update_md  # noqa: E402
+from report import CHART_SKIPPED, add_common_args, machine_info, pyplot, read, write_outputs  # noqa: E402
 
 PARTY_ORDER = ["direct", "warmroute", "nginx"]
 PARTY_TITLES = {
@@ -269,13 +269,9 @@ def verdict(runs):
 
 
 def draw_chart(path, runs):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "Chart: skipped (matplotlib is not installed; `pip install matplotlib` and re-run)."
+    plt = pyplot()
+    if plt is None:
+        return CHART_SKIPPED
     counts = sorted({r["streams"] for r in runs})
     parties = [p for p in PARTY_ORDER if any(r["party"] == p for r in runs)]
     by = {(r["party"], r["streams"]): r for r in runs}
@@ -356,12 +352,7 @@ def main():
         "runs": runs,
     }
     md = render_md(args, data)
-    with open(args.out, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    if args.results_md:
-        update_md(args.results_md, "sse", md)
-    print(md)
+    write_outputs(args, "sse", data, md)
 
 
 if __name__ == "__main__":

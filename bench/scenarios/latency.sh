@@ -31,6 +31,15 @@ lat_party_url() {
   esac
 }
 
+# lat_move_proxies CPUS — move every proxy party's process (not direct's backend) to CPUS.
+lat_move_proxies() {
+  local party proc
+  for party in $LAT_PARTIES; do
+    proc=$(lat_proc "$party")
+    [[ -z $proc ]] || lat_move "$proc" "$1"
+  done
+}
+
 # lat_proc PARTY — the process a party runs in (none for direct).
 lat_proc() {
   case $1 in
@@ -77,12 +86,7 @@ scenario_latency() {
               timeout 600 chrt -i 0 sh -c 'while :; do :; done'
           done
           ;;
-        local)
-          for party in $LAT_PARTIES; do
-            proc=$(lat_proc "$party")
-            [[ -z $proc ]] || lat_move "$proc" "$LOAD_CPU"
-          done
-          ;;
+        local) lat_move_proxies "$LOAD_CPU" ;;
         *) die "latency: unknown placement $placement (across, awake or local)" ;;
       esac
       # Reverse order in even rounds, so no party always runs right after a placement change.
@@ -99,12 +103,7 @@ scenario_latency() {
       done
       case $placement in
         awake) stop_from "$mark" ;;
-        local)
-          for party in $LAT_PARTIES; do
-            proc=$(lat_proc "$party")
-            [[ -z $proc ]] || lat_move "$proc" "$PROXY_CPU"
-          done
-          ;;
+        local) lat_move_proxies "$PROXY_CPU" ;;
       esac
     done
   done
