@@ -101,6 +101,26 @@ pub fn apply_with_facts(
     facts: &BodyFacts<'_>,
     opts: &TransformOptions,
 ) -> Option<(Option<Vec<u8>>, TransformReport)> {
+    let (at, rep) = decide_with_facts(body, facts, opts)?;
+    let out = at.map(|at| {
+        let mut out = Vec::with_capacity(body.len() + USAGE_MEMBER.len());
+        out.extend_from_slice(&body[..at]);
+        out.extend_from_slice(USAGE_MEMBER);
+        out.extend_from_slice(&body[at..]);
+        out
+    });
+    Some((out, rep))
+}
+
+/// What [`apply_with_facts`] decides, without building the new body: `None` when [`apply`]
+/// must decide; otherwise where [`USAGE_MEMBER`] goes into `body` (`None`: nothing changes)
+/// and the report. A caller that owns the body's buffer can insert the member in place
+/// instead of copying the body.
+pub fn decide_with_facts(
+    body: &[u8],
+    facts: &BodyFacts<'_>,
+    opts: &TransformOptions,
+) -> Option<(Option<usize>, TransformReport)> {
     if opts.messages_path
         || (opts.cch_strip && facts.billing_prefix.unwrap_or_else(|| has_cch_marker(body)))
         || (opts.kimi_normalize && facts.model.is_some_and(|m| KIMI_MODELS.contains(&m)))
@@ -121,16 +141,12 @@ pub fn apply_with_facts(
         .iter()
         .rposition(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
         .filter(|&i| body[i] == b'}')?;
-    let mut out = Vec::with_capacity(body.len() + USAGE_MEMBER.len());
-    out.extend_from_slice(&body[..close]);
-    out.extend_from_slice(USAGE_MEMBER);
-    out.extend_from_slice(&body[close..]);
     rep.usage_injected = true;
-    Some((Some(out), rep))
+    Some((Some(close), rep))
 }
 
 /// The member the usage injection adds to a body without `stream_options`.
-const USAGE_MEMBER: &[u8] = br#","stream_options":{"include_usage":true}"#;
+pub const USAGE_MEMBER: &[u8] = br#","stream_options":{"include_usage":true}"#;
 
 /// [`apply`] for a caller that has already decoded `body` into `v` (avoids a second parse).
 /// `v` must be the decoding of `body`.

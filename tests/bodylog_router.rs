@@ -175,3 +175,61 @@ fn a_prompt_sized_request_body_is_logged_whole() {
     l.stop();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A streamed request without `stream_options` gets `include_usage` from the router, which
+/// inserts it into the body's own buffer (no copy of the body). The peer gets it (the
+/// record has the usage of the frame the router then removes), the client does not see
+/// that frame, and the log keeps the body the client sent, byte for byte: small bodies
+/// (sent with the head) and prompt-sized ones (sent beside it).
+#[test]
+fn the_log_keeps_the_clients_body_when_the_router_injects_include_usage() {
+    let (dir, _port, l, _m, env) = logged_route("bodylog-inject");
+    let long: String = (0..40_000u32)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    let bodies: Vec<String> = ["short", long.as_str()]
+        .iter()
+        .enumerate()
+        .map(|(i, c)| chat_body(&format!("{i} {c}"), true))
+        .collect();
+    for (i, body) in bodies.iter().enumerate() {
+        assert!(!body.contains("stream_options"));
+        let r = request(
+            env.public(),
+            &post_json(
+                "/r/v1/chat/completions",
+                body,
+                &format!("x-session-id: inject-{i}\r\n"),
+            ),
+        );
+        assert_eq!(r.status, 200, "{i}");
+        let text = r.text();
+        assert!(text.contains("[DONE]"), "{i}: {text}");
+        assert!(
+            !text.contains("\"usage\":{"),
+            "{i}: the injected usage frame reached the client: {text}"
+        );
+    }
+    eventually(Duration::from_secs(20), "2 records written", || {
+        records(&dir).len() == 2
+    });
+    for r in records(&dir) {
+        let i: usize = r["session_id"].as_str().unwrap()["inject-".len()..]
+            .parse()
+            .unwrap();
+        // The peer was asked for usage: the frame it sent is in the record.
+        assert_eq!(
+            r["usage"]["completion_tokens"], 4,
+            "record {i}: {}",
+            r["usage"]
+        );
+        assert!(
+            r["req_body"].as_str() == Some(bodies[i].as_str()),
+            "record {i}: the logged body is not the client's ({} bytes, starts {:?})",
+            r["req_body"].as_str().map_or(0, str::len),
+            r["req_body"].as_str().map(|b| &b[..b.len().min(120)])
+        );
+    }
+    l.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}

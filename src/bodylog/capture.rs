@@ -40,10 +40,21 @@ pub struct Capture {
 impl Capture {
     /// Copy the client's original body, truncated to [`REQ_BODY_MAX_BYTES`].
     pub fn new(req_body: &[u8]) -> Capture {
-        let keep = req_body.len().min(REQ_BODY_MAX_BYTES);
+        Capture::from_parts(&[req_body])
+    }
+
+    /// [`Capture::new`] for a request body given as consecutive parts.
+    pub fn from_parts(parts: &[&[u8]]) -> Capture {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let keep = total.min(REQ_BODY_MAX_BYTES);
+        let mut request = Vec::with_capacity(keep);
+        for p in parts {
+            let room = keep - request.len();
+            request.extend_from_slice(&p[..p.len().min(room)]);
+        }
         Capture {
-            request: req_body[..keep].to_vec(),
-            req_truncated: keep < req_body.len(),
+            request,
+            req_truncated: keep < total,
             head: Vec::new(),
             tail: VecDeque::new(),
             resp_total: 0,
@@ -165,6 +176,19 @@ pub fn sampled(pct: u8, random: u64) -> bool {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_request_in_parts_is_joined_and_truncated_at_the_cap() {
+        let r = Capture::from_parts(&[b"{\"a\":1", b"}"]).finish(json!({}));
+        assert_eq!(r.request, b"{\"a\":1}");
+        assert_eq!(r.meta["req_body_truncated"], false);
+        // The cap falls inside the second part: the first whole, the second cut.
+        let first = vec![b'a'; REQ_BODY_MAX_BYTES - 3];
+        let r = Capture::from_parts(&[&first, b"bcdef", b"g"]).finish(json!({}));
+        assert_eq!(r.request.len(), REQ_BODY_MAX_BYTES);
+        assert!(r.request.ends_with(b"abcd"));
+        assert_eq!(r.meta["req_body_truncated"], true);
+    }
 
     #[test]
     fn request_is_truncated_at_the_cap() {

@@ -573,8 +573,11 @@ async fn proxy(
         .upstream_api_key
         .as_ref()
         .map(|k| format!("Bearer {k}"));
-    let (mut transformed, usage_injected) =
-        transform_body(seg, route, &p.body, p.fields.as_ref(), upstream_path);
+    let Transformed {
+        new: mut transformed,
+        usage_injected,
+        inserted_at,
+    } = transform_body(seg, route, &mut p.body, p.fields.as_ref(), upstream_path);
     let routing = RoutingHeaders {
         expose: opts.expose_routed_headers,
         session: session_id::header_value(sid.as_ref().map(|s| &*s.id)),
@@ -797,7 +800,7 @@ async fn proxy(
                     event_stream,
                 };
                 let mut stats = RelayStats {
-                    capture: bodylog_capture(ctx, route, &p.body),
+                    capture: bodylog_capture(ctx, route, &p.body, inserted_at),
                     tail: ctx.take_tail(),
                     ..RelayStats::default()
                 };
@@ -1020,10 +1023,13 @@ impl relay::BodyFilter for crate::transform::UsageFrameFilter {
 
 /// Start a body-log copy of this request when a listener is configured, the route logs
 /// bodies (runtime toggle, else the route option) and the sampling draw says so.
+/// `inserted_at`: the router inserted the usage member into `body` there; the capture
+/// keeps the client's body, without it.
 fn bodylog_capture(
     ctx: &WorkerCtx,
     route: &RouteRt,
     body: &[u8],
+    inserted_at: Option<usize>,
 ) -> Option<crate::bodylog::capture::Capture> {
     ctx.bodylog.as_ref()?;
     let seg = &ctx.shared.seg;
@@ -1038,8 +1044,13 @@ fn bodylog_capture(
         0 => opts.bodylog_pct,
         p => (p - 1).min(100) as u8,
     };
-    crate::bodylog::capture::sampled(pct, ctx.random())
-        .then(|| crate::bodylog::capture::Capture::new(body))
+    crate::bodylog::capture::sampled(pct, ctx.random()).then(|| match inserted_at {
+        Some(at) => crate::bodylog::capture::Capture::from_parts(&[
+            &body[..at],
+            &body[at + crate::transform::USAGE_MEMBER.len()..],
+        ]),
+        None => crate::bodylog::capture::Capture::new(body),
+    })
 }
 
 /// What a body-log record says about its request.
@@ -1221,20 +1232,36 @@ fn transform_candidate(body: &[u8]) -> bool {
     .is_match(body)
 }
 
+/// What [`transform_body`] did to the client's body.
+struct Transformed {
+    /// A new body to forward instead of the client's (`None`: the client's, as it is now).
+    new: Option<Bytes>,
+    /// Usage reporting was injected (then the response's usage frame is removed again).
+    usage_injected: bool,
+    /// The usage member was inserted into the client's body itself at this offset (the
+    /// usual injection: no copy of the body); the client's original is the body without
+    /// the [`crate::transform::USAGE_MEMBER`] bytes there.
+    inserted_at: Option<usize>,
+}
+
 /// Apply the route's request transforms (cch_strip, kimi_normalize, include_usage) as
-/// toggled at runtime, counting what they did. Returns the new body (`None`: forward the
-/// client's as is) and whether usage reporting was injected (then the response's usage
-/// frame is removed again).
+/// toggled at runtime, counting what they did. The usual injection (a member before the
+/// closing brace) is made in the client's body buffer; any other change builds a new body.
 fn transform_body(
     seg: &Segment,
     route: &RouteRt,
-    body: &Bytes,
+    body: &mut Bytes,
     fields: Option<&BodyFields>,
     path: &str,
-) -> (Option<Bytes>, bool) {
+) -> Transformed {
     use cells::route as c;
+    let mut done = Transformed {
+        new: None,
+        usage_injected: false,
+        inserted_at: None,
+    };
     if body.is_empty() {
-        return (None, false);
+        return done;
     }
     let opts = &route.cfg.opts;
     let t = |cell, default| cells::toggle(seg, route.slot, cell, default);
@@ -1252,7 +1279,7 @@ fn transform_body(
     // (`/v1/messages` bodies are not decided from facts: they keep the scan.)
     let scan = fields.is_none() || topts.messages_path;
     if !(any || topts.messages_path) || (scan && !transform_candidate(body)) {
-        return (None, false);
+        return done;
     }
     // The usual body is decided from the fields the router reads anyway (one streaming
     // pass); only the rest is decoded into a tree.
@@ -1271,9 +1298,23 @@ fn transform_body(
             has_stream_options: f.has_stream_options,
             billing_prefix: f.billing_prefix,
         };
-        crate::transform::apply_with_facts(body, &facts, &topts)
+        crate::transform::decide_with_facts(body, &facts, &topts)
     });
-    let (new, report) = quick.unwrap_or_else(|| crate::transform::apply(body, &topts));
+    let (new, report) = match quick {
+        Some((at, report)) => {
+            if let Some(at) = at {
+                // Nothing else holds the body yet, so this takes its buffer without a copy
+                // (and only the closing brace moves); the buffer usually has room, a body's
+                // being sized to a power of two.
+                let mut v = Vec::from(std::mem::take(body));
+                v.splice(at..at, crate::transform::USAGE_MEMBER.iter().copied());
+                *body = Bytes::from(v);
+                done.inserted_at = Some(at);
+            }
+            (None, report)
+        }
+        None => crate::transform::apply(body, &topts),
+    };
     let bump = |cell: usize, n: u64| {
         if n > 0 {
             seg.route_cell(route.slot, cell).fetch_add(n, Relaxed);
@@ -1284,7 +1325,9 @@ fn transform_body(
     bump(c::KIMI_CHANGES, report.kimi_changes as u64);
     bump(c::KIMI_REQUESTS, (report.kimi_changes > 0) as u64);
     bump(c::USAGE_INJECTED, report.usage_injected as u64);
-    (new.map(Bytes::from), report.usage_injected)
+    done.new = new.map(Bytes::from);
+    done.usage_injected = report.usage_injected;
+    done
 }
 
 impl relay::BodyFilter for crate::postprocess::PostProcessor {
