@@ -9,8 +9,8 @@
 #              for the whole process and for the request task (pipeline::proxy, inclusive)
 #              and writes bench/out/callgrind-TS.json. No section of RESULTS.md: the notes
 #              quote it with its command.
-#              Knobs: CG_BINS (space-separated warmroute binaries), CG_CASE (json, stream or
-#              prompt; default json), CG_ID (body, header or none; default body),
+#              Knobs: CG_BINS (space-separated warmroute binaries), CG_CASE (json, stream,
+#              prompt or stream-prompt; default json), CG_ID (body, header or none; default body),
 #              CG_ACCESS_LOG (off, default, or on: a file in the work dir), CG_WARMUP (2s),
 #              CG_DURATION (10s), CG_CONNS (wrk connections, default 1: at 1 every request
 #              pays a park of the runtime; 32 queues requests as a saturating load does,

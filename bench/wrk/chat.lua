@@ -7,6 +7,7 @@
 -- MODE      "json" (non-streaming), "stream" ("stream":true and Accept: text/event-stream) or
 --           "prompt" (non-streaming, with a realistic prompt: 40 earlier turns of prose and
 --           code, about 50 KB of JSON with an escape every ~27 bytes; see prompt_messages)
+--           or "stream-prompt" (that prompt, streamed)
 -- SESSIONS  number of rotating session ids (default 64)
 -- ID        where the session id goes: "header" (the HEADER below, default), "body"
 --           (metadata.session_id in the JSON body, no header) or "none" (no id at all)
@@ -40,8 +41,8 @@ end
 
 function init(args)
   local path = args[1] or "/v1/chat/completions"
-  local stream = (args[2] == "stream")
-  local prompt = (args[2] == "prompt")
+  local stream = (args[2] == "stream" or args[2] == "stream-prompt")
+  local prompt = (args[2] == "prompt" or args[2] == "stream-prompt")
   local sessions = tonumber(args[3] or "64")
   local where = args[4] or "header"
   local header = args[5] or "X-Session-ID"

@@ -1303,11 +1303,12 @@ fn transform_body(
     let (new, report) = match quick {
         Some((at, report)) => {
             if let Some(at) = at {
-                // Nothing else holds the body yet, so this takes its buffer without a copy
-                // (and only the closing brace moves); the buffer usually has room, a body's
-                // being sized to a power of two.
+                // Nothing else holds the body yet, so this takes its buffer without a copy,
+                // and only the closing brace moves; the buffer has room (see
+                // `SpareBodies::take`).
                 let mut v = Vec::from(std::mem::take(body));
-                v.splice(at..at, crate::transform::USAGE_MEMBER.iter().copied());
+                v.extend_from_slice(crate::transform::USAGE_MEMBER);
+                v[at..].rotate_right(crate::transform::USAGE_MEMBER.len());
                 *body = Bytes::from(v);
                 done.inserted_at = Some(at);
             }

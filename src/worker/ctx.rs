@@ -222,8 +222,10 @@ pub const BODY_SPARES_MAX: usize = 16;
 pub const BODY_SPARE_BYTES_MAX: usize = 4 * 1024 * 1024;
 
 impl SpareBodies {
-    /// An empty buffer with room for `n` bytes.
+    /// An empty buffer with room for `n` bytes, and for the member the usage injection
+    /// may add (inserted in place, without a copy of the body).
     pub fn take(&self, n: usize) -> Vec<u8> {
+        let n = n + crate::transform::USAGE_MEMBER.len();
         if n < BODY_SPARE_MIN {
             return Vec::with_capacity(n);
         }
@@ -419,9 +421,10 @@ mod tests {
     fn spare_bodies_reuse_large_buffers_within_their_bounds() {
         use bytes::Bytes;
         let s = SpareBodies::default();
-        // Small bodies take an exact buffer and are never kept.
+        // Small bodies take a buffer of their size, with room for the usage member the
+        // injection may insert, and are never kept.
         let small = s.take(100);
-        assert_eq!(small.capacity(), 100);
+        assert_eq!(small.capacity(), 100 + crate::transform::USAGE_MEMBER.len());
         s.put(Bytes::from(vec![b'x'; 100]));
         assert_eq!(s.len(), 0);
         // A large body's buffer comes back, emptied, for the next body that fits.
