@@ -1044,11 +1044,15 @@ fn bodylog_capture(
         0 => opts.bodylog_pct,
         p => (p - 1).min(100) as u8,
     };
-    crate::bodylog::capture::sampled(pct, ctx.random()).then(|| match inserted_at {
-        Some(at) => crate::bodylog::capture::Capture::from_parts(&[
-            &body[..at],
-            &body[at + crate::transform::USAGE_MEMBER.len()..],
-        ]),
+    let original = inserted_at.and_then(|at| {
+        Some([
+            body.get(..at)?,
+            body.get(at + crate::transform::USAGE_MEMBER.len()..)?,
+        ])
+    });
+    crate::bodylog::capture::sampled(pct, ctx.random()).then(|| match original {
+        Some(parts) => crate::bodylog::capture::Capture::from_parts(&parts),
+        // No insertion (or, defensively, a body too short to hold one): the body as it is.
         None => crate::bodylog::capture::Capture::new(body),
     })
 }
