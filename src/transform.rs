@@ -90,32 +90,13 @@ pub struct BodyFacts<'a> {
     pub billing_prefix: Option<bool>,
 }
 
-/// [`apply`] for an object body whose `facts` the caller has, without decoding it into a
-/// tree, when the facts decide: no transform applies, or the only one is the
+/// [`apply`]'s decision for an object body whose `facts` the caller has, without decoding
+/// it into a tree, when the facts decide: no transform applies, or the only one is the
 /// `include_usage` injection into a body without `stream_options` (a member added before
 /// the closing brace). `None` when [`apply`] must decide (a `/v1/messages` body, a billing
-/// header to strip, a Kimi model, a `stream_options` to edit). `body` must be the JSON
-/// object the facts were read from.
-pub fn apply_with_facts(
-    body: &[u8],
-    facts: &BodyFacts<'_>,
-    opts: &TransformOptions,
-) -> Option<(Option<Vec<u8>>, TransformReport)> {
-    let (at, rep) = decide_with_facts(body, facts, opts)?;
-    let out = at.map(|at| {
-        let mut out = Vec::with_capacity(body.len() + USAGE_MEMBER.len());
-        out.extend_from_slice(&body[..at]);
-        out.extend_from_slice(USAGE_MEMBER);
-        out.extend_from_slice(&body[at..]);
-        out
-    });
-    Some((out, rep))
-}
-
-/// What [`apply_with_facts`] decides, without building the new body: `None` when [`apply`]
-/// must decide; otherwise where [`USAGE_MEMBER`] goes into `body` (`None`: nothing changes)
-/// and the report. A caller that owns the body's buffer can insert the member in place
-/// instead of copying the body.
+/// header to strip, a Kimi model, a `stream_options` to edit); otherwise where
+/// [`USAGE_MEMBER`] goes into `body` (`None`: nothing changes) and the report, for
+/// [`insert_usage_member`]. `body` must be the JSON object the facts were read from.
 pub fn decide_with_facts(
     body: &[u8],
     facts: &BodyFacts<'_>,
@@ -143,6 +124,13 @@ pub fn decide_with_facts(
         .filter(|&i| body[i] == b'}')?;
     rep.usage_injected = true;
     Some((Some(close), rep))
+}
+
+/// Insert [`USAGE_MEMBER`] into `body` at `at` (where [`decide_with_facts`] says), in place:
+/// only the bytes after `at` move.
+pub fn insert_usage_member(body: &mut Vec<u8>, at: usize) {
+    body.extend_from_slice(USAGE_MEMBER);
+    body[at..].rotate_right(USAGE_MEMBER.len());
 }
 
 /// The member the usage injection adds to a body without `stream_options`.
@@ -1953,6 +1941,22 @@ mod tests {
             billing_prefix: crate::pipeline::session_id::parse_body(body.as_bytes())
                 .and_then(|f| f.billing_prefix),
         }
+    }
+
+    /// What the pipeline makes of a body from its facts: [`decide_with_facts`], and the
+    /// member inserted where it says (in a copy here), in [`apply`]'s shape.
+    fn apply_with_facts(
+        body: &[u8],
+        facts: &BodyFacts<'_>,
+        opts: &TransformOptions,
+    ) -> Option<(Option<Vec<u8>>, TransformReport)> {
+        let (at, rep) = decide_with_facts(body, facts, opts)?;
+        let out = at.map(|at| {
+            let mut out = body.to_vec();
+            insert_usage_member(&mut out, at);
+            out
+        });
+        Some((out, rep))
     }
 
     #[test]

@@ -1311,8 +1311,7 @@ fn transform_body(
                 // and only the closing brace moves; the buffer has room (see
                 // `SpareBodies::take`).
                 let mut v = Vec::from(std::mem::take(body));
-                v.extend_from_slice(crate::transform::USAGE_MEMBER);
-                v[at..].rotate_right(crate::transform::USAGE_MEMBER.len());
+                crate::transform::insert_usage_member(&mut v, at);
                 *body = Bytes::from(v);
                 done.inserted_at = Some(at);
             }
