@@ -297,6 +297,11 @@ pub fn is_health_probe(head: &[u8]) -> bool {
     head.starts_with(b"GET /v1/models ")
 }
 
+/// A test backend's answer to a health probe: a 200 with an empty model list.
+pub fn answer_health_probe(s: &mut TcpStream) -> std::io::Result<()> {
+    s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n{\"data\":[]}")
+}
+
 pub fn raw_backend(responses: Vec<Vec<u8>>, close_after: usize) -> RawBackend {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
@@ -331,8 +336,7 @@ fn serve_script(
     let mut buf = Vec::new();
     while let Some(req) = read_request(&mut s, &mut buf) {
         if is_health_probe(&req) {
-            let probe_ok = b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n{\"data\":[]}";
-            if s.write_all(probe_ok).is_err() {
+            if answer_health_probe(&mut s).is_err() {
                 break;
             }
             continue;
