@@ -277,6 +277,79 @@ fn worker_cpu_is_read_on_the_request_and_relay_paths() {
     assert!(c3 > c2, "during a relay: {c2} -> {c3}");
 }
 
+/// The workers' `warmroute_worker_busy_poll_seconds_total`, summed, and whether every worker
+/// runs io_uring (busy polling is off on the epoll fallback).
+fn busy_poll(env: &Env) -> (f64, bool) {
+    let s = scrape(env).1;
+    let uring = s
+        .keys()
+        .filter(|k| k.starts_with("warmroute_worker_driver{"))
+        .all(|k| k.contains(r#"driver="io_uring""#));
+    let spent = s
+        .iter()
+        .filter(|(k, _)| k.starts_with("warmroute_worker_busy_poll_seconds_total{"))
+        .map(|(_, v)| *v)
+        .sum();
+    (spent, uring)
+}
+
+/// With `busy_poll_us`, a worker polls for that long after each request it starts or
+/// finishes (scrapes included), and then waits as usual: the time it spent polling grows
+/// with traffic and stops growing when the traffic does. Without it, nothing is spent.
+#[test]
+fn busy_polling_follows_requests_and_stops_when_idle() {
+    let m = mock("m");
+    // Control: the option off.
+    let off = start(&[("r", route_for(&[m.addr()], ""))], "");
+    for _ in 0..20 {
+        let r = request(
+            off.public(),
+            &post_json("/r/v1/chat/completions", &chat_body("hi", false), ""),
+        );
+        assert_eq!(r.status, 200);
+    }
+    assert_eq!(busy_poll(&off).0, 0.0, "busy polled with the option off");
+    drop(off);
+
+    let env = start(
+        &[("r", route_for(&[m.addr()], ""))],
+        "busy_poll_us = 10000\n",
+    );
+    let (b0, uring) = busy_poll(&env);
+    // Each scrape is a request too: it opens a 10 ms window, and then the worker waits.
+    std::thread::sleep(Duration::from_millis(500));
+    let (b1, _) = busy_poll(&env);
+    std::thread::sleep(Duration::from_millis(500));
+    let (b2, _) = busy_poll(&env);
+    if !uring {
+        assert_eq!(
+            (b0, b1, b2),
+            (0.0, 0.0, 0.0),
+            "busy polled on the epoll fallback"
+        );
+        return;
+    }
+    assert!(
+        b1 - b0 < 0.25 && b2 - b1 < 0.25,
+        "kept polling while idle: {b0} -> {b1} -> {b2} s over two 500 ms pauses"
+    );
+    // Traffic: 50 requests 2 ms apart, each opening a 10 ms window.
+    for _ in 0..50 {
+        let r = request(
+            env.public(),
+            &post_json("/r/v1/chat/completions", &chat_body("hi", false), ""),
+        );
+        assert_eq!(r.status, 200);
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let (b3, _) = busy_poll(&env);
+    assert!(
+        b3 - b2 >= 0.05,
+        "50 requests over ~100 ms: busy polled {} s",
+        b3 - b2
+    );
+}
+
 /// `promtool check metrics` exits 0 on the exposition, when promtool is on PATH.
 fn promtool_check(text: &str) {
     let child = Command::new("promtool")

@@ -10,7 +10,9 @@
 #              round's req/s and p99 and the medians of B/A over rounds (p99 under a quota is
 #              mostly how long the quota stalls the proxy); writes bench/out/ab-TS.json. No
 #              section of RESULTS.md: the notes quote it with its command.
-#              Knobs: AB_A, AB_B, AB_ROUNDS (6), AB_CASE (json, stream or prompt; default json),
+#              Knobs: AB_A, AB_B, AB_A_SERVER and AB_B_SERVER (lines added to A's or B's server
+#              file, e.g. AB_B_SERVER="busy_poll_us = 200" with AB_A=AB_B to try an option),
+#              AB_ROUNDS (6), AB_CASE (json, stream or prompt; default json),
 #              AB_ID (body, header or none; default body), AB_ACCESS_LOG (off, default, or
 #              on: each router logs to a file in its work directory), BENCH_DURATION,
 #              BENCH_CONNS.
@@ -32,9 +34,15 @@ scenario_ab() {
   wait_http backend "http://127.0.0.1:$p/health" 200
   local name bin port
   for name in A B; do
-    if [[ $name == A ]]; then bin=$a port=$((p + 10)); else bin=$b port=$((p + 20)); fi
+    local extra
+    if [[ $name == A ]]; then
+      bin=$a port=$((p + 10)) extra=${AB_A_SERVER:-}
+    else
+      bin=$b port=$((p + 20)) extra=${AB_B_SERVER:-}
+    fi
     local dir=$WORK/wr-$name
-    write_warmroute_config "$dir" "$port" $((port + 1)) "$p" /dev/shm/warmroute-bench-ab-$port
+    write_warmroute_config "$dir" "$port" $((port + 1)) "$p" /dev/shm/warmroute-bench-ab-$port "$extra"
+    [[ -z $extra ]] || echo "# wr-$name server file adds: $extra" >>"$WORK/commands.txt"
     local log_arg=off
     [[ $AB_ACCESS_LOG == on ]] && log_arg=$dir/access.log
     spawn "wr-$name" "$PROXY_CPU" "$WORK/wr-$name.log" "$bin" serve --config "$dir/warmroute.toml" \
@@ -58,7 +66,7 @@ scenario_ab() {
   done
   local json_out=$OUT_DIR/ab-$ts.json
   python3 - "$WORK/results.jsonl" "$json_out" "$a" "$b" "$AB_CASE" "${BENCH_PROXY_QUOTA:-50}" "$(git_rev)" <<'EOF'
-import json, statistics, sys
+import json, os, statistics, sys
 res, out, a, b, case, quota, git = sys.argv[1:8]
 rps = {"wr-A": {}, "wr-B": {}}
 p99 = {"wr-A": {}, "wr-B": {}}
@@ -76,7 +84,8 @@ for i, q in zip(rounds, ratios):
 def med(v):
     return round(statistics.median(v), 4) if v else None
 summary = {
-    "a": a, "b": b, "case": case, "proxy_quota_pct": int(quota), "git": git,
+    "a": a, "b": b, "a_server": os.environ.get("AB_A_SERVER", ""),
+    "b_server": os.environ.get("AB_B_SERVER", ""), "case": case, "proxy_quota_pct": int(quota), "git": git,
     "rounds": [{"round": i, "a_rps": rps["wr-A"][i], "b_rps": rps["wr-B"][i],
                 "a_p99_us": p99["wr-A"][i], "b_p99_us": p99["wr-B"][i]} for i in rounds],
     "median_b_over_a": med(ratios),

@@ -39,6 +39,7 @@ pub fn response(ctx: &WorkerCtx, snap: &Snapshot) -> Response {
             .map(|w| WorkerView {
                 driver: w.driver.load(Ordering::Acquire),
                 cpu_ns: w.cpu_ns.load(Ordering::Relaxed),
+                busy_poll_ns: w.busy_poll_ns.load(Ordering::Relaxed),
             })
             .collect(),
         ctx.index,
@@ -61,6 +62,7 @@ const FAMILIES: &[Family] = &[
     workers,
     worker_driver,
     worker_cpu,
+    worker_busy_poll,
     config_generation,
     access_log_dropped,
     route_requests,
@@ -315,6 +317,8 @@ pub struct WorkerView {
     pub driver: usize,
     /// Its thread's CPU time as of its last quota settle, in nanoseconds.
     pub cpu_ns: u64,
+    /// Time it has spent busy polling, in nanoseconds.
+    pub busy_poll_ns: u64,
 }
 
 /// Everything a scrape reads, gathered once.
@@ -445,6 +449,20 @@ fn worker_cpu(x: &mut Exposition, s: &Sources) {
         f.sample(
             &Labels::new(&[("worker", &i.to_string())]),
             w.cpu_ns as f64 / 1e9,
+        );
+    }
+}
+
+fn worker_busy_poll(x: &mut Exposition, s: &Sources) {
+    let mut f = x.family(
+        "warmroute_worker_busy_poll_seconds_total",
+        Kind::Counter,
+        "Time each worker spent polling instead of waiting (busy_poll_us; 0 when off or on the epoll fallback).",
+    );
+    for (i, w) in s.workers.iter().enumerate() {
+        f.sample(
+            &Labels::new(&[("worker", &i.to_string())]),
+            w.busy_poll_ns as f64 / 1e9,
         );
     }
 }
@@ -996,7 +1014,11 @@ mod tests {
     /// Worker views from `(driver, cpu_ns)` pairs.
     fn views(w: &[(usize, u64)]) -> Vec<WorkerView> {
         w.iter()
-            .map(|&(driver, cpu_ns)| WorkerView { driver, cpu_ns })
+            .map(|&(driver, cpu_ns)| WorkerView {
+                driver,
+                cpu_ns,
+                busy_poll_ns: 0,
+            })
             .collect()
     }
 

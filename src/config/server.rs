@@ -56,6 +56,9 @@ pub struct ServerConfig {
     /// anew for the next request (measured: 64 idle at 256 concurrent requests cost a
     /// quarter of a worker's throughput).
     pub upstream_idle_per_peer: usize,
+    /// After a request starts or finishes, how long a worker keeps polling instead of
+    /// waiting, in microseconds; 0 = off (see `worker::busy_poll`).
+    pub busy_poll_us: u64,
     pub defaults: ServerDefaults,
     /// Body-log listener `host:port`; `None` = body logging off.
     pub bodylog_listener: Option<String>,
@@ -93,6 +96,7 @@ impl Default for ServerConfig {
             client_head_timeout_ms: 30_000,
             upstream_idle_timeout_ms: 60_000,
             upstream_idle_per_peer: 1024,
+            busy_poll_us: 0,
             defaults: ServerDefaults::default(),
             bodylog_listener: None,
         }
@@ -100,6 +104,8 @@ impl Default for ServerConfig {
 }
 
 const MS_MAX: i64 = 86_400_000;
+/// The largest `busy_poll_us`: one second.
+const BUSY_POLL_US_MAX: i64 = 1_000_000;
 
 /// Result of reading the server table: the config and whether `routes_dir` was set.
 pub(crate) struct ParsedServer {
@@ -183,6 +189,11 @@ pub(crate) fn parse_server(
             "upstream_idle_per_peer" => {
                 if let Some(n) = value::integer(v, 0, 65_536, k, d) {
                     c.upstream_idle_per_peer = usize::try_from(n).unwrap_or(0);
+                }
+            }
+            "busy_poll_us" => {
+                if let Some(n) = value::integer(v, 0, BUSY_POLL_US_MAX, k, d) {
+                    c.busy_poll_us = u64::try_from(n).unwrap_or(0);
                 }
             }
             "defaults" => {

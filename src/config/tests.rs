@@ -78,6 +78,7 @@ fn defaults_with_no_files() {
     assert_eq!(s.client_head_timeout_ms, 30_000);
     assert_eq!(s.upstream_idle_timeout_ms, 60_000);
     assert_eq!(s.upstream_idle_per_peer, 1024);
+    assert_eq!(s.busy_poll_us, 0);
     assert_eq!(s.defaults, ServerDefaults::default());
     assert_eq!(s.defaults.postprocess, "");
     assert!(
@@ -93,6 +94,14 @@ fn defaults_with_no_files() {
     let c2 = strs(None, &[]).unwrap();
     assert_eq!(c2.server.listen, s.listen);
     assert_eq!(c2.server.shm_path, s.shm_path);
+}
+
+#[test]
+fn busy_poll_us_is_read() {
+    let c = strs(Some("busy_poll_us = 200"), &[]).unwrap();
+    assert_eq!(c.server.busy_poll_us, 200);
+    let e = strs(Some("busy_poll_us = -1"), &[]).unwrap_err();
+    assert_eq!(fields(&e), ["busy_poll_us"]);
 }
 
 #[test]
@@ -140,6 +149,7 @@ fn server_file_errors_are_all_collected() {
 listen = "nope"
 workers = -1
 colour = "blue"
+busy_poll_us = 1000001
 max_body_size_ceiling = "lots"
 [defaults]
 postprocess = "gzip"
@@ -156,6 +166,7 @@ port = 1
         [
             "bodylog.listener",
             "bodylog.port",
+            "busy_poll_us",
             "colour",
             "defaults.postprocess",
             "defaults.sesion_affinity",

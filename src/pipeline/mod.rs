@@ -134,7 +134,11 @@ pub async fn serve_client(ctx: Rc<WorkerCtx>, stream: TcpStream, addr: SocketAdd
                 return;
             }
             HeadRead::Head(head) => {
+                // Busy polling (when on) keeps the worker awake for the backend's answer and
+                // for this client's next request.
+                ctx.busy_poll.kick();
                 let keep = handle_request(&ctx, &mut conn, head, kind).await;
+                ctx.busy_poll.kick();
                 if !keep {
                     conn.linger_close().await;
                     return;

@@ -11,6 +11,15 @@ use super::{AccessLog, AccessLogTarget, LocalNotify, Shared};
 use crate::snapshot::Snapshot;
 use crate::upstream::UpstreamPool;
 
+/// The busy-poll window the server file sets, kept at zero off io_uring (see
+/// [`super::busy_poll`]).
+fn busy_poll_window(s: &Snapshot, driver: &str) -> std::time::Duration {
+    match driver {
+        "io_uring" => std::time::Duration::from_micros(s.config.server.busy_poll_us),
+        _ => std::time::Duration::ZERO,
+    }
+}
+
 /// Which listener a connection came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PortKind {
@@ -48,6 +57,8 @@ pub struct WorkerCtx {
     pub bodylog: Option<Rc<crate::bodylog::sender::Sender>>,
     /// Wall-clock milliseconds for the monotonic times a request already took.
     pub wall: WallClock,
+    /// Requests started and finished, for the busy-poll task (`busy_poll_us`).
+    pub busy_poll: super::busy_poll::Activity,
 }
 
 /// A bounded free list of small vectors: at most `SPARE_BUFS_MAX` kept, none with room
@@ -299,7 +310,7 @@ impl WorkerCtx {
         let seed = (std::process::id() as u64) << 32
             ^ (index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
             ^ shared.started.elapsed().as_nanos() as u64;
-        WorkerCtx {
+        let ctx = WorkerCtx {
             index,
             wid,
             shared,
@@ -318,7 +329,11 @@ impl WorkerCtx {
             wall: WallClock::default(),
             loads: SpareVecs::default(),
             bodies: SpareBodies::default(),
-        }
+            busy_poll: Default::default(),
+        };
+        ctx.busy_poll
+            .set_window(busy_poll_window(&ctx.snapshot.borrow(), driver));
+        ctx
     }
 
     /// The snapshot new requests start with.
@@ -332,6 +347,7 @@ impl WorkerCtx {
             server.upstream_idle_per_peer,
             std::time::Duration::from_millis(server.upstream_idle_timeout_ms),
         );
+        self.busy_poll.set_window(busy_poll_window(&s, self.driver));
         *self.snapshot.borrow_mut() = Rc::new(s);
     }
 

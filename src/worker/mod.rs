@@ -7,6 +7,7 @@
 //! thread; the only cross-thread traffic is the segment's atomics and the snapshot channel.
 
 mod access_log;
+pub mod busy_poll;
 mod ctx;
 mod listen;
 mod notify;
@@ -55,6 +56,8 @@ pub struct WorkerCells {
     /// Its thread's CPU time in nanoseconds as of its last quota settle
     /// ([`quota::settle`]); 0 before the first.
     pub cpu_ns: AtomicU64,
+    /// Time it has spent busy polling ([`busy_poll`]), in nanoseconds.
+    pub busy_poll_ns: AtomicU64,
 }
 
 impl Shared {
@@ -238,6 +241,14 @@ fn worker_main(
             }
         }
         monoio::spawn(crate::control::run(ctx.clone()));
+        if uring {
+            monoio::spawn(busy_poll::run(ctx.clone()));
+        } else if ctx.snapshot().config.server.busy_poll_us > 0 {
+            tracing::warn!(
+                worker = idx,
+                "busy_poll_us is ignored on the epoll fallback; the worker waits for events as usual"
+            );
+        }
         if let Some(sender) = &ctx.bodylog {
             monoio::spawn(sender.clone().run());
         }
