@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Report of bench/run latency: unloaded (-c1) latency of direct, warmroute, nginx and haproxy
-in three placements (across cores; across cores with no core ever idle; all on one core), as
+(warmroute and haproxy also with busy polling) in three placements (across cores; across cores with no core ever idle; all on one core), as
 JSON, a RESULTS.md section and a PNG chart.
 
 Per round and placement, a party's added latency is its p50 minus direct's p50 in the same
@@ -16,12 +16,21 @@ sys.dont_write_bytecode = True  # no bench/__pycache__ from importing report.py
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import CHART_SKIPPED, add_common_args, load_jsonl, machine_info, pyplot, read, write_outputs  # noqa: E402
 
-PARTIES = ["direct", "warmroute-1w-body", "nginx-1w", "haproxy-1t"]
+PARTIES = ["direct", "warmroute-1w-body", "warmroute-bp", "nginx-1w", "haproxy-1t", "haproxy-bp"]
 TITLES = {
     "direct": "direct (wrk → backend)",
     "warmroute-1w-body": "warmroute, 1 worker, id in the body",
+    "warmroute-bp": "warmroute, the same with busy_poll_us = {bp}",
     "nginx-1w": "nginx, 1 worker (hash … consistent)",
     "haproxy-1t": "haproxy, 1 thread (balance hdr)",
+    "haproxy-bp": "haproxy, the same with busy-polling",
+}
+# The proxies other than warmroute's default, as the target line and the split name them.
+OTHERS = {
+    "warmroute-bp": "warmroute busy_poll_us",
+    "nginx-1w": "nginx",
+    "haproxy-1t": "haproxy",
+    "haproxy-bp": "haproxy busy-polling",
 }
 PLACEMENTS = ["across", "awake", "local"]
 PLACEMENT_TITLES = {
@@ -82,6 +91,11 @@ def render_md(args, data):
         f"non-streaming JSON request (`bench/wrk/chat.lua`, 64 rotating session ids; warmroute reads "
         f"the id from `metadata.session_id`, nginx and haproxy from `X-Session-ID`) against one static "
         f"nginx backend; {args.rounds} rounds, the parties in reverse order every other round.")
+    add(f"- **Busy polling**: warmroute with `busy_poll_us = {args.busy_poll_us}` in its server file (after "
+        f"each request it starts or finishes, the worker polls its ring for {args.busy_poll_us} µs instead "
+        f"of waiting) as its own process; haproxy with `busy-polling` in `global` (it never waits), held "
+        f"stopped (SIGSTOP) except during its own runs, so its spinning does not keep the proxy core awake "
+        f"for the other parties.")
     add(f"- **Placements**: *across cores* — the proxy on core {args.proxy_cpu}, wrk and the backend on "
         f"core {args.load_cpu} (the overhead scenario's c1 run): each of the four hops "
         f"(wrk → proxy → backend → proxy → wrk) wakes a process on the other core. *No core idle* — the "
@@ -95,24 +109,24 @@ def render_md(args, data):
     head = "| party |"
     sep = "|---|"
     for pl in data["placements"]:
-        head += f" p50 µs ({PLACEMENT_TITLES[pl]}) | +p50 µs ({PLACEMENT_TITLES[pl]}) |"
-        sep += "---:|---:|"
+        head += f" p50 µs ({PLACEMENT_TITLES[pl]}) | +p50 µs ({PLACEMENT_TITLES[pl]}) | p99 µs |"
+        sep += "---:|---:|---:|"
     add(head + " errors |")
     add(sep + "---:|")
     for party in PARTIES:
-        row = f"| {TITLES[party]} |"
+        row = f"| {TITLES[party].format(bp=args.busy_poll_us)} |"
         errors = 0
         for pl in data["placements"]:
             s = data["results"].get(f"{party}/{pl}")
             if not s:
-                row += " — | — |"
+                row += " — | — | — |"
                 continue
             errors += s["errors"]
             rng = ""
             if party != "direct" and s["added_us"]:
                 rng = f" ({min(s['added_us']):.0f}…{max(s['added_us']):.0f})"
             added = "—" if party == "direct" else fmt_us(s["added_median_us"]) + rng
-            row += f" {fmt_us(s['p50_median_us'])} | {added} |"
+            row += f" {fmt_us(s['p50_median_us'])} | {added} | {fmt_us(s['p99_median_us'])} |"
         add(row + f" {errors} |")
     add("")
     wr = {pl: data["results"].get(f"warmroute-1w-body/{pl}") for pl in data["placements"]}
@@ -121,16 +135,22 @@ def render_md(args, data):
         s = data["results"].get(f"{party}/{pl}")
         return None if not s else s["added_median_us"]
 
+    def mark(a):
+        return "✅" if a <= TARGET_US else "❌"
+
     lines = []
     for pl in data["placements"]:
         a = added(pl)
         if a is None:
             continue
-        ok = "✅" if a <= TARGET_US else "❌"
+        bp = added(pl, "warmroute-bp")
+        with_bp = "" if bp is None else f", with busy_poll_us = {args.busy_poll_us} +{bp:.0f} µs {mark(bp)}"
         others = ", ".join(
-            f"{p.split('-')[0]} {fmt_us(added(pl, p))} µs" for p in ("nginx-1w", "haproxy-1t") if added(pl, p) is not None
+            f"{OTHERS[p]} {fmt_us(added(pl, p))} µs"
+            for p in ("nginx-1w", "haproxy-1t", "haproxy-bp")
+            if added(pl, p) is not None
         )
-        lines.append(f"{PLACEMENT_TITLES[pl]}: +{a:.0f} µs {ok} ({others})")
+        lines.append(f"{PLACEMENT_TITLES[pl]}: +{a:.0f} µs {mark(a)}{with_bp} ({others})")
     add(f"**Target** — warmroute adds ≤ {TARGET_US} µs to the unloaded p50: " + "; ".join(lines) + ".")
     if all(wr.get(pl) for pl in ("across", "awake", "local")):
         a, w, lo = added("across"), added("awake"), added("local")
@@ -139,10 +159,10 @@ def render_md(args, data):
             f"(across − no core idle), about {w - lo:.0f} µs is signalling the other core (no core idle − "
             f"one core), and {lo:.0f} µs is the proxy's own work (one core).")
         others = []
-        for p in ("nginx-1w", "haproxy-1t"):
+        for p in OTHERS:
             a, w, lo = (added(pl, p) for pl in ("across", "awake", "local"))
             if None not in (a, w, lo):
-                others.append(f"{p.split('-')[0]} {a - w:.0f} / {w - lo:.0f} / {lo:.0f} µs")
+                others.append(f"{OTHERS[p]} {a - w:.0f} / {w - lo:.0f} / {lo:.0f} µs")
         if others:
             add(f"The same split for the others (waking / signalling / own work): {'; '.join(others)}.")
     if args.chart_note:
@@ -157,7 +177,7 @@ def draw_chart(path, data):
         return CHART_SKIPPED
     parties = [p for p in PARTIES if p != "direct"]
     pls = data["placements"]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.8))
     width = 0.8 / len(parties)
     for j, p in enumerate(parties):
         xs, ys = [], []
@@ -166,7 +186,7 @@ def draw_chart(path, data):
             if s and s["added_median_us"] is not None:
                 xs.append(i + (j - (len(parties) - 1) / 2) * width)
                 ys.append(s["added_median_us"])
-        ax.bar(xs, ys, width=width, label=TITLES[p], color=f"C{j}")
+        ax.bar(xs, ys, width=width, label=TITLES[p].format(bp=data["busy_poll_us"]), color=f"C{j}")
     ax.axhline(TARGET_US, color="red", linestyle="--", linewidth=1, label=f"target ({TARGET_US} µs)")
     ax.set_xticks(range(len(pls)))
     ax.set_xticklabels([PLACEMENT_TITLES[pl] for pl in pls])
@@ -186,6 +206,7 @@ def main():
     ap.add_argument("--duration", required=True)
     ap.add_argument("--proxy-cpu", required=True)
     ap.add_argument("--load-cpu", required=True)
+    ap.add_argument("--busy-poll-us", type=int, default=200)
     args = ap.parse_args()
     rows = load_jsonl(os.path.join(args.work, "results.jsonl"))
     stats = collect(rows)
@@ -211,6 +232,7 @@ def main():
         "rounds": args.rounds,
         "duration": args.duration,
         "placements": placements,
+        "busy_poll_us": args.busy_poll_us,
         "machine": machine_info("n/a", read(os.path.join(args.work, "loadavg-before"))),
         "commands": read(os.path.join(args.work, "commands.txt")).splitlines(),
         "results": results,

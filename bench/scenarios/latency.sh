@@ -1,7 +1,9 @@
 # bench/scenarios/latency.sh — scenario "latency" for bench/run (sourced; uses its helpers).
 #
 #   latency    where the unloaded (-c1) latency a proxy adds goes: direct, warmroute (1 worker,
-#              session id in the JSON body), nginx (1 worker) and haproxy (1 thread), in
+#              session id in the JSON body; as configured by default, and with busy_poll_us =
+#              LAT_BUSY_POLL_US), nginx (1 worker) and haproxy (1 thread; by default, and with
+#              its own busy-polling), in
 #              LAT_ROUNDS interleaved rounds of wrk -c1 for BENCH_LAT_DURATION each, in three
 #              placements:
 #                across   the overhead scenario's: proxy on BENCH_PROXY_CPU, wrk and the backend
@@ -15,10 +17,11 @@
 #              awake and local, what signalling another core costs; what is left in local is
 #              the proxy's own work. Writes bench/out/latency-TS.json, a section of RESULTS.md
 #              and bench/latency.png. Knobs: LAT_ROUNDS (3), LAT_PLACEMENTS ("across awake
-#              local"), BENCH_LAT_DURATION (3s).
+#              local"), LAT_BUSY_POLL_US (200), BENCH_LAT_DURATION (3s).
 LAT_ROUNDS=${LAT_ROUNDS:-3}
 LAT_PLACEMENTS=${LAT_PLACEMENTS:-across awake local}
-LAT_PARTIES="direct warmroute-1w-body nginx-1w haproxy-1t"
+LAT_BUSY_POLL_US=${LAT_BUSY_POLL_US:-200}
+LAT_PARTIES="direct warmroute-1w-body warmroute-bp nginx-1w haproxy-1t haproxy-bp"
 
 # lat_party_url PARTY — "URL PATH ID" for wrk.
 lat_party_url() {
@@ -26,6 +29,8 @@ lat_party_url() {
   case $1 in
     direct) echo "http://127.0.0.1:$p /v1/chat/completions header" ;;
     warmroute-1w-body) echo "http://127.0.0.1:$((p + 10)) /bench/v1/chat/completions body" ;;
+    warmroute-bp) echo "http://127.0.0.1:$((p + 14)) /bench/v1/chat/completions body" ;;
+    haproxy-bp) echo "http://127.0.0.1:$((p + 42)) /bench/v1/chat/completions header" ;;
     nginx-1w) echo "http://127.0.0.1:$((p + 30)) /bench/v1/chat/completions header" ;;
     haproxy-1t) echo "http://127.0.0.1:$((p + 40)) /bench/v1/chat/completions header" ;;
   esac
@@ -38,6 +43,15 @@ lat_move_proxies() {
     proc=$(lat_proc "$party")
     [[ -z $proc ]] || lat_move "$proc" "$1"
   done
+}
+
+# lat_hold PARTY STOP|CONT — haproxy with busy-polling spins all the time, so it is held
+# stopped (SIGSTOP) except for its own runs: spinning on the proxy core would keep that core
+# awake for every other party too. warmroute's busy polling only follows its own requests.
+lat_hold() {
+  [[ $1 == haproxy-bp ]] || return 0
+  kill "-$2" "$(proc_pid haproxy-bp)"
+  [[ $2 == STOP ]] || sleep 0.2
 }
 
 # lat_proc PARTY — the process a party runs in (none for direct).
@@ -62,6 +76,9 @@ scenario_latency() {
   for proc in warmroute-1w nginx-1w haproxy-1t; do
     ovh_start "$proc" || die "latency: $proc did not start: $OVH_START_ERR"
   done
+  WR_SERVER_EXTRA="busy_poll_us = $LAT_BUSY_POLL_US" start_warmroute warmroute-bp "$PROXY_CPU" \
+    $((p + 14)) $((p + 15)) "$p" --workers 1 --no-pin
+  start_haproxy haproxy-bp "$PROXY_CPU" $((p + 42)) "$p" 1 busy-polling
   local all
   all=$(seq -s, 0 $(($(nproc) - 1)))
   place pinned "$all"
@@ -71,6 +88,8 @@ scenario_latency() {
     read -r url path id <<<"$(lat_party_url "$party")"
     preflight "$party" "$url" "$path" json "$id" || die "latency: $party failed its preflight"
   done
+  lat_hold haproxy-bp STOP
+  echo "# haproxy-bp is held with SIGSTOP except during its own runs (SIGCONT before, SIGSTOP after)" >>"$WORK/commands.txt"
   : >"$WORK/results.jsonl"
   local round placement mark cpu n=0 total
   total=$((LAT_ROUNDS * $(wc -w <<<"$LAT_PLACEMENTS") * $(wc -w <<<"$LAT_PARTIES")))
@@ -98,8 +117,10 @@ scenario_latency() {
         local url path id
         read -r url path id <<<"$(lat_party_url "$party")"
         log "[$n/$total] round $round, $placement: $party ($LAT_DURATION at -c1)"
+        lat_hold "$party" CONT
         WRK_ID=$id run_wrk "$party" "$placement" "$url" "$path" json 1 1s warmup "$round"
         WRK_ID=$id run_wrk "$party" "$placement" "$url" "$path" json 1 "$LAT_DURATION" c1 "$round"
+        lat_hold "$party" STOP
       done
       case $placement in
         awake) stop_from "$mark" ;;
@@ -111,6 +132,7 @@ scenario_latency() {
   python3 "$BENCH_DIR/latency_report.py" --work "$WORK" --out "$json_out" \
     --results-md "$RESULTS_MD" --timestamp "$ts" --git "$(git_rev)" \
     --chart "$BENCH_DIR/latency.png" --command "bench/run latency" \
-    --rounds "$LAT_ROUNDS" --duration "$LAT_DURATION" --proxy-cpu "$PROXY_CPU" --load-cpu "$LOAD_CPU"
+    --rounds "$LAT_ROUNDS" --duration "$LAT_DURATION" --proxy-cpu "$PROXY_CPU" --load-cpu "$LOAD_CPU" \
+    --busy-poll-us "$LAT_BUSY_POLL_US"
   log "results: $json_out"
 }
