@@ -123,9 +123,12 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
         let mut now = started;
         let mut published = started;
         while now < deadline && !ctx.drain.is_fired() {
-            // Completes as soon as the runtime enters the ring; the tasks it woke have run
-            // by the time this one is polled again.
-            if probe.end.writable(false).await.is_err() {
+            // Completes as soon as the runtime next enters the ring, which it then does
+            // without waiting; the completions that entry hands over wake their tasks in the
+            // same turn of the runtime.
+            if let Err(e) = probe.end.writable(false).await {
+                tracing::warn!(worker = ctx.index, error = %e, "busy polling stopped: the poll failed");
+                publish(cells, now - published);
                 return;
             }
             now = Instant::now();
