@@ -115,6 +115,8 @@ PARTIES = [
     ("direct", "pinned", "the backend itself (wrk → nginx `return 200`)", "`X-Session-ID` (ignored)"),
     ("warmroute-1w", "pinned", "warmroute `--workers 1 --no-pin`", "`X-Session-ID` header"),
     ("warmroute-1w-body", "pinned", "the same warmroute process", "`metadata.session_id` in the JSON body (no header)"),
+    ("warmroute-bp-body", "pinned", "a second warmroute `--workers 1 --no-pin`, with `busy_poll_us = {bp}`",
+     "`metadata.session_id` in the JSON body (no header)"),
     ("nginx-1w", "pinned", "nginx `worker_processes 1`, `hash $http_x_session_id consistent`", "`X-Session-ID` header"),
     ("nginx-lua-1w", "pinned", "nginx `worker_processes 1` + Lua module, `balancer_by_lua_block`: "
      "peer = `ngx.crc32_long(id) % n`", "`X-Session-ID` header"),
@@ -145,6 +147,7 @@ RATIOS = [
     ("warmroute-1w", "vllm-router"),
     ("warmroute-1w", "sglang-router"),
     ("warmroute-1w-body", "warmroute-1w"),
+    ("warmroute-bp-body", "warmroute-1w-body"),
     ("warmroute-2w-body", "haproxy-2t"),
     ("warmroute-2w-body", "nginx-2w"),
     ("warmroute-2w-body", "nginx-lua-2w"),
@@ -306,6 +309,7 @@ def targets(c):
         if not w:
             continue
         h, n, v = by.get(hap), by.get(ngx), by.get(vllm) if vllm else None
+        bp = by.get("warmroute-bp-body") if grp == "pinned" else None
         out.append({
             "case": c["case"],
             "group": grp,
@@ -319,6 +323,7 @@ def targets(c):
             "rps_vs_vllm_router": ratio(w["rps"], v["rps"]) if v else None,
             "added_c1_p50_us": w["added_c1_p50_us"],
             "added_c1_local_p50_us": w.get("added_c1_local_p50_us"),
+            "added_c1_p50_busy_poll_us": bp["added_c1_p50_us"] if bp else None,
         })
     return out
 
@@ -409,7 +414,7 @@ def render_md(args, data):
     add("|---|---|---|---|")
     for name, grp, what, sid in PARTIES:
         if name in ran or name in data.get("parties", []):
-            add(f"| {name} | {grp} | {what} | {sid} |")
+            add(f"| {name} | {grp} | {what.format(bp=s.get('busy_poll_us'))} | {sid} |")
     add("")
     skipped = data.get("skipped", [])
     if skipped:
@@ -477,8 +482,8 @@ def render_md(args, data):
     add("| case | placement | req/s vs haproxy (≥ 1.20×) | same, median of paired rounds | "
         "p99 vs haproxy (≤ 1.00×) | same, at equal load | req/s vs nginx (≥ 1.00×) | "
         "req/s vs vllm-router (≥ 4×) | +p50 vs direct, c1 (≤ 100 µs) | same, c1 on one core (≤ 100 µs) | "
-        "proxy CPU per request vs haproxy |")
-    add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        f"same, c1, with busy_poll_us = {s.get('busy_poll_us')} (≤ 100 µs) | proxy CPU per request vs haproxy |")
+    add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for t in data["targets"]:
         add(f"| {t['case']} | {t['group']} | {mark(t['rps_vs_haproxy'], lambda v: v >= 1.2)} | "
             f"{mark(t.get('rps_vs_haproxy_paired'), lambda v: v >= 1.2)} | "
@@ -487,13 +492,16 @@ def render_md(args, data):
             f"{mark(t['rps_vs_vllm_router'], lambda v: v >= 4.0)} | "
             f"{mark(t['added_c1_p50_us'], lambda v: v <= 100, '{:+.0f} µs')} | "
             f"{mark(t.get('added_c1_local_p50_us'), lambda v: v <= 100, '{:+.0f} µs')} | "
+            f"{mark(t.get('added_c1_p50_busy_poll_us'), lambda v: v <= 100, '{:+.0f} µs')} | "
             f"{x(t.get('cpu_vs_haproxy'))} |")
     add("")
     add("The c1 columns: with one connection every hop of the pinned placement (wrk → proxy → "
         "backend → proxy → wrk) wakes a process on the other core; *one core* repeats the run with "
         "the pinned proxy moved onto the load core (`taskset -apc`), where the added latency is the "
         "proxy's own work and not the machine's cross-core wake-up time (the shared rows have no "
-        "such run).")
+        "such run). *With busy_poll_us*: the warmroute-bp-body party, whose worker polls instead of "
+        "waiting for that long after each request it starts or finishes (README, busy polling), so "
+        "the hops to the proxy find it running.")
     add("")
     if data.get("threads"):
         add("Processes / threads after the load (`/proc/PID/status`, the process and its children) "
@@ -682,6 +690,7 @@ def main():
     ap.add_argument("--router-versions", default="")
     ap.add_argument("--lua-module-dir", default="")
     ap.add_argument("--target-dir", default="target")
+    ap.add_argument("--busy-poll-us", type=int, default=200)
     args = ap.parse_args()
     args.work_prefix = args.work.rstrip("/") + "/"
 
@@ -714,6 +723,7 @@ def main():
             "proxy_quota_pct": int(args.proxy_quota) if args.proxy_quota else None,
             "load_cpu": args.load_cpu,
             "sessions": args.sessions,
+            "busy_poll_us": args.busy_poll_us,
         },
         "command": args.command,
         "parties": args.parties.split(),

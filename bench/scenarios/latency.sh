@@ -76,8 +76,7 @@ scenario_latency() {
   for proc in warmroute-1w nginx-1w haproxy-1t; do
     ovh_start "$proc" || die "latency: $proc did not start: $OVH_START_ERR"
   done
-  WR_SERVER_EXTRA="busy_poll_us = $LAT_BUSY_POLL_US" start_warmroute warmroute-bp "$PROXY_CPU" \
-    $((p + 14)) $((p + 15)) "$p" --workers 1 --no-pin
+  OVH_BUSY_POLL_US=$LAT_BUSY_POLL_US ovh_start warmroute-bp || die "latency: warmroute-bp did not start"
   start_haproxy haproxy-bp "$PROXY_CPU" $((p + 42)) "$p" 1 busy-polling
   local all
   all=$(seq -s, 0 $(($(nproc) - 1)))
