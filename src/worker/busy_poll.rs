@@ -19,8 +19,9 @@
 //! the ring, so the runtime's wait returns at once, after the kernel has handed over every
 //! completion already there (with `DEFER_TASKRUN`, completions are only handed over when
 //! the ring is entered to wait: a task that only re-woke itself would starve every socket).
-//! The epoll fallback never waits in that case either, but its timers only advance when the
-//! runtime waits, so the option is ignored there (with a warning at start).
+//! On the epoll fallback the same poll completes without the runtime ever waiting, and
+//! monoio's timers only advance when it waits, so the option is ignored there (with a
+//! warning at start).
 
 use std::cell::Cell;
 use std::future::Future;
@@ -34,7 +35,7 @@ use super::{quota, WorkerCtx};
 use crate::util::{race, Either};
 
 /// How many turns of the ring a busy-polling worker makes between two publications of its
-/// busy-poll time (the first and last turn of a window always publish).
+/// busy-poll time (the end of a window always publishes).
 const PUBLISH_EVERY: u32 = 1024;
 
 /// A worker's request activity, as the busy-poll task sees it. Cheap to kick when off.
