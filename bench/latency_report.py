@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Report of bench/run latency: unloaded (-c1) latency of direct, warmroute, nginx and haproxy
-(warmroute and haproxy also with busy polling) in three placements (across cores; across cores with no core ever idle; all on one core), as
-JSON, a RESULTS.md section and a PNG chart.
+(warmroute and haproxy also with busy polling) in three placements (across cores; across cores
+with no core ever idle; all on one core), as JSON, a RESULTS.md section and a PNG chart.
 
 Per round and placement, a party's added latency is its p50 minus direct's p50 in the same
 round and placement; the tables give the median over rounds (and the range)."""
