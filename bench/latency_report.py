@@ -14,7 +14,8 @@ from datetime import datetime, timezone
 
 sys.dont_write_bytecode = True  # no bench/__pycache__ from importing report.py
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import CHART_SKIPPED, add_common_args, load_jsonl, machine_info, pyplot, read, write_outputs  # noqa: E402
+from report import (CHART_SKIPPED, add_common_args, load_jsonl, machine_info, machine_line, pyplot,  # noqa: E402
+                    read, run_line, section_date, write_outputs)
 
 PARTIES = ["direct", "warmroute-1w-body", "warmroute-bp", "nginx-1w", "haproxy-1t", "haproxy-bp"]
 TITLES = {
@@ -77,16 +78,13 @@ def fmt_us(v):
 
 def render_md(args, data):
     m = data["machine"]
-    when = datetime.strptime(args.timestamp, "%Y%m%dT%H%M%SZ").strftime("%Y-%m-%d %H:%M UTC")
+    when = section_date(args.timestamp)
     out = []
     add = out.append
     add(f"## latency — where the unloaded latency a proxy adds goes ({when})")
     add("")
-    add(f"- **Date**: {when} · **git**: `{args.git}` · **command**: `{args.command}` "
-        f"(work directory `bench/out/latency-{args.timestamp}/`, exact commands in its `commands.txt`; "
-        f"results `bench/out/latency-{args.timestamp}.json`)")
-    add(f"- **Machine**: {m['nproc']} cores ({m['cpu_model']}), kernel `{m['kernel']}`; load average "
-        f"before the run `{m['loadavg_before']}`; {m['nginx']}; {m['haproxy']}; {m['wrk']}")
+    add(run_line(args, "latency", when))
+    add(machine_line(m, f"; {m['nginx']}; {m['haproxy']}; {m['wrk']}"))
     add(f"- **Load**: `wrk -t1 -c1 -d{args.duration}` (after a 1s warm-up) of the overhead scenario's "
         f"non-streaming JSON request (`bench/wrk/chat.lua`, 64 rotating session ids; warmroute reads "
         f"the id from `metadata.session_id`, nginx and haproxy from `X-Session-ID`) against one static "

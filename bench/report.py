@@ -656,6 +656,26 @@ def write_outputs(args, scenario, data, md):
         update_md(args.results_md, scenario, md)
     print(md)
 
+def section_date(timestamp):
+    """A run's timestamp (`YYYYmmddTHHMMSSZ`, as bench/run names it) as a section shows it."""
+    return datetime.strptime(timestamp, "%Y%m%dT%H%M%SZ").strftime("%Y-%m-%d %H:%M UTC")
+
+
+def run_line(args, scenario, when):
+    """The **Date** bullet of a scenario report's section: date, git revision, command, work
+    directory and results file."""
+    return (f"- **Date**: {when} · **git**: `{args.git}` · **command**: `{args.command}` "
+            f"(work directory `bench/out/{scenario}-{args.timestamp}/`, exact commands in its "
+            f"`commands.txt`; results `bench/out/{scenario}-{args.timestamp}.json`)")
+
+
+def machine_line(m, rest):
+    """The **Machine** bullet: cores, CPU model, kernel and load average before the run, then
+    `rest` (what the scenario adds: tool versions, a word on noise)."""
+    return (f"- **Machine**: {m['nproc']} cores ({m['cpu_model']}), kernel `{m['kernel']}`; load "
+            f"average before the run `{m['loadavg_before']}`{rest}")
+
+
 def add_common_args(ap, command=""):
     """The arguments bench/run gives every scenario report: its work directory, the JSON file to
     write, the RESULTS.md to update, the run's timestamp and git revision, the chart path and

@@ -17,7 +17,8 @@ from datetime import datetime, timezone
 
 sys.dont_write_bytecode = True  # no bench/__pycache__ from importing report.py
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import CHART_SKIPPED, add_common_args, machine_info, pyplot, read, write_outputs  # noqa: E402
+from report import (CHART_SKIPPED, add_common_args, machine_info, machine_line, pyplot, read,  # noqa: E402
+                    run_line, section_date, write_outputs)
 
 PARTY_ORDER = ["direct", "warmroute", "nginx"]
 PARTY_TITLES = {
@@ -136,7 +137,7 @@ def gaps(g):
 def render_md(args, data):
     m = data["machine"]
     runs = data["runs"]
-    when = datetime.strptime(args.timestamp, "%Y%m%dT%H%M%SZ").strftime("%Y-%m-%d %H:%M UTC")
+    when = section_date(args.timestamp)
     cfg = runs[0]["driver"]["config"] if runs else {}
     tps = cfg.get("decode_tps", 0)
     mt = cfg.get("max_tokens", 0)
@@ -144,12 +145,9 @@ def render_md(args, data):
     add = out.append
     add(f"## sse — SSE at scale: concurrent, mostly idle streams ({when})")
     add("")
-    add(f"- **Date**: {when} · **git**: `{args.git}` · **command**: `{args.command}` "
-        f"(work directory `bench/out/sse-{args.timestamp}/`, exact commands in its `commands.txt`; "
-        f"results `bench/out/sse-{args.timestamp}.json`)")
-    add(f"- **Machine**: {m['nproc']} cores ({m['cpu_model']}), kernel `{m['kernel']}`; load average "
-        f"before the run `{m['loadavg_before']}` (shared with other work: CPU figures are per "
-        f"process, but timing figures pick up the neighbours' noise); {m['nginx']}")
+    add(run_line(args, "sse", when))
+    add(machine_line(m, " (shared with other work: CPU figures are per process, but timing figures "
+                        f"pick up the neighbours' noise); {m['nginx']}"))
     add(f"- **Backend**: `warmroute-mock {args.mock}`, unpinned: each stream is a head at once, "
         f"the first token after {args.mock.split('--ttft-base-ms ')[1].split()[0] if '--ttft-base-ms ' in args.mock else '?'} ms, "
         f"then one SSE event (one HTTP chunk, ~190 bytes) every {1000 / tps:.0f} ms on an absolute "
