@@ -121,11 +121,17 @@ pub async fn serve_client(ctx: Rc<WorkerCtx>, stream: TcpStream, addr: SocketAdd
             idle
         };
         served += 1;
+        if conn.inbuf.capacity() == 0 {
+            conn.inbuf = ctx.take_inbuf();
+        }
         match conn
             .read_head(idle, head_timeout, (!first).then_some(&ctx.drain))
             .await
         {
-            HeadRead::Closed => return,
+            HeadRead::Closed => {
+                ctx.put_inbuf(std::mem::take(&mut conn.inbuf));
+                return;
+            }
             HeadRead::Refuse(e) => {
                 let resp = json_response(e.status(), &e.body(None), e.headers(), true);
                 if conn.write_all_bytes(resp).await.is_ok() {
@@ -144,6 +150,7 @@ pub async fn serve_client(ctx: Rc<WorkerCtx>, stream: TcpStream, addr: SocketAdd
                     return;
                 }
                 if ctx.drain.is_fired() {
+                    ctx.put_inbuf(std::mem::take(&mut conn.inbuf));
                     return;
                 }
             }
@@ -813,9 +820,9 @@ async fn proxy(
                 ctx.bodies.put(std::mem::take(&mut p.body));
                 drop(transformed.take());
                 // An event stream holds the connection for its whole length: give back the
-                // client's read buffer meanwhile (the next request head takes a new one).
+                // client's read buffer meanwhile (the next request head takes a spare one).
                 if conn.inbuf.is_empty() && event_stream {
-                    conn.inbuf = Vec::new();
+                    ctx.put_inbuf(std::mem::take(&mut conn.inbuf));
                 }
                 let rbuf = std::mem::take(&mut ex.buf);
                 let (end, rbuf) = relay::relay(
@@ -996,7 +1003,7 @@ fn response_filters(
             up.headers.get_known(crate::http::Known::CONTENT_TYPE),
         ) == Some(crate::postprocess::Mode::Sse)
     {
-        chain.push(Box::new(crate::transform::UsageFrameFilter::new()));
+        chain.set_usage(crate::transform::UsageFrameFilter::new());
     }
     let name = if route.cfg.opts.postprocess.is_empty() {
         snap.config.server.defaults.postprocess.as_str()

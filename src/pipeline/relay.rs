@@ -10,6 +10,7 @@ use monoio::net::TcpStream;
 
 use crate::http::{ChunkedDecoder, ResponseFraming};
 use crate::limits::RELAY_READ_BUF_BYTES;
+use crate::transform::UsageFrameFilter;
 
 use monoio::io::OwnedWriteHalf;
 
@@ -139,9 +140,15 @@ pub trait BodyFilter {
     fn finish(&mut self, out: &mut Vec<u8>);
 }
 
-/// Filters applied in order.
+/// Filters applied in order: the usage-frame remover first when there is one, then the
+/// others. The remover is held inline: it is the one filter a stream with the router's
+/// usage injection usually has, and a response should not allocate for it.
 #[derive(Default)]
-pub struct FilterChain(pub Vec<Box<dyn BodyFilter>>, Scratch);
+pub struct FilterChain {
+    usage: Option<UsageFrameFilter>,
+    rest: Vec<Box<dyn BodyFilter>>,
+    scratch: Scratch,
+}
 
 /// The buffers a chain of two or more filters passes its bytes along in, kept from one read
 /// to the next (a single filter writes straight to the caller's buffer).
@@ -149,39 +156,53 @@ pub struct FilterChain(pub Vec<Box<dyn BodyFilter>>, Scratch);
 struct Scratch(Vec<u8>, Vec<u8>);
 
 impl FilterChain {
+    /// The usage-frame remover, which runs before every other filter.
+    pub fn set_usage(&mut self, f: UsageFrameFilter) {
+        self.usage = Some(f);
+    }
+
     pub fn push(&mut self, f: Box<dyn BodyFilter>) {
-        self.0.push(f);
+        self.rest.push(f);
     }
 
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.usage.is_none() && self.rest.is_empty()
     }
 
     /// Run `data` through every filter, appending what the last one gives to `out`.
     fn run(&mut self, data: &[u8], finish: bool, out: &mut Vec<u8>) {
-        let feed = |f: &mut Box<dyn BodyFilter>, data: &[u8], out: &mut Vec<u8>| {
+        let FilterChain {
+            usage,
+            rest,
+            scratch: Scratch(a, b),
+        } = self;
+        let mut filters = usage
+            .iter_mut()
+            .map(|u| u as &mut dyn BodyFilter)
+            .chain(rest.iter_mut().map(|f| &mut **f as &mut dyn BodyFilter));
+        let feed = |f: &mut dyn BodyFilter, data: &[u8], out: &mut Vec<u8>| {
             f.feed(data, out);
             if finish {
                 f.finish(out);
             }
         };
-        let Some((last, first)) = self.0.split_last_mut() else {
+        let Some(first) = filters.next() else {
             out.extend_from_slice(data);
             return;
         };
-        if first.is_empty() {
-            feed(last, data, out);
+        let Some(mut next) = filters.next() else {
+            feed(first, data, out);
             return;
-        }
-        let Scratch(a, b) = &mut self.1;
+        };
         a.clear();
-        a.extend_from_slice(data);
-        for f in first {
+        feed(first, data, a);
+        for f in filters {
             b.clear();
-            feed(f, a, b);
+            feed(next, a, b);
             std::mem::swap(a, b);
+            next = f;
         }
-        feed(last, a, out);
+        feed(next, a, out);
         // A burst does not keep its buffers' size for the rest of a long stream.
         shed_burst(a);
         shed_burst(b);
@@ -247,7 +268,9 @@ pub async fn relay(
     let mut pstart = start;
     // Decoded body bytes of the current read (only when the client's framing differs and
     // the peer's is chunked: other bodies are filtered straight from the read buffer), and
-    // the filters' output, both kept from one read to the next.
+    // the filters' output, both kept from one read to the next. Both come from the spare
+    // head buffers when first needed and go back there at the end, and while a stream of
+    // small reads waits for its peer.
     let mut decoded: Vec<u8> = Vec::new();
     let mut body: Vec<u8> = Vec::new();
     let mut eof = false;
@@ -283,6 +306,9 @@ pub async fn relay(
                 take
             }
             Tracker::Chunked(dec) => {
+                if decode && decoded.capacity() == 0 {
+                    decoded = heads.take();
+                }
                 let mut data_bytes = 0usize;
                 let used = dec.feed(data, &mut |d| {
                     if decode {
@@ -320,11 +346,17 @@ pub async fn relay(
                 Tracker::Chunked(_) => &decoded,
                 _ => &pending[pstart..pstart + emit],
             };
+            if body.capacity() == 0 {
+                body = heads.take();
+            }
             body.clear();
             // Filters mostly pass bytes through: room for all of them, grown once.
             body.reserve(new_bytes.len() + 64);
             filters.run(new_bytes, finished, &mut body);
             decoded.clear();
+            if out.capacity() == 0 {
+                out = heads.take();
+            }
             match plan.client {
                 ClientFraming::Chunked => {
                     if !body.is_empty() {
@@ -371,6 +403,8 @@ pub async fn relay(
             if out.capacity() > 0 {
                 heads.put(out);
             }
+            heads.put(body);
+            heads.put(decoded);
             return (
                 RelayEnd::Done {
                     reusable: clean && !eof,
@@ -392,11 +426,13 @@ pub async fn relay(
             // open stream's process keeps as RSS).
             spares.put(std::mem::replace(&mut pending, Vec::with_capacity(want)));
         }
-        // A stream back to small reads after a burst does not keep the burst's decode and
-        // filter buffers for the rest of its life (bulk bodies keep theirs from read to read).
+        // A stream of small reads does not hold its decode and filter buffers while it
+        // waits: they go back to the spares (which keep them unless a burst grew them) and
+        // the next read takes one. Bulk bodies keep theirs from read to read.
         if want == SMALL_READ_BUF_BYTES {
-            shed_burst(&mut body);
-            shed_burst(&mut decoded);
+            heads.put(std::mem::take(&mut body));
+            heads.put(std::mem::take(&mut decoded));
+            heads.put(std::mem::take(&mut out));
         }
         let cap = pending.capacity();
         // Idle: nothing from the peer for `idle_timeout` from now, after the client's
@@ -497,5 +533,109 @@ mod tests {
         }
         assert_eq!(t.bytes().len(), TAIL_BYTES);
         assert!(t.bytes().ends_with(b"{\"i\":9999}\n\n"));
+    }
+
+    #[test]
+    fn a_waiting_stream_gives_its_decode_filter_and_write_buffers_back() {
+        use monoio::io::Splitable;
+        use std::io::Write;
+        // The peer: a chunked event stream, one event per chunk; after three it waits for
+        // the test's go before the last event and the end of the body.
+        let up_l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let up_addr = up_l.local_addr().unwrap();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let event = |i: usize| {
+            format!("data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{i}\"}}}}]}}\n\n")
+        };
+        let peer = std::thread::spawn(move || {
+            let (mut s, _) = up_l.accept().unwrap();
+            let chunk = |e: &str| format!("{:x}\r\n{e}\r\n", e.len());
+            for i in 0..3 {
+                s.write_all(chunk(&event(i)).as_bytes()).unwrap();
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            go_rx.recv().unwrap();
+            s.write_all(format!("{}0\r\n\r\n", chunk(&event(3))).as_bytes())
+                .unwrap();
+        });
+        let mut rt = monoio::RuntimeBuilder::<monoio::FusionDriver>::new()
+            .enable_timer()
+            .build()
+            .unwrap();
+        let (held_while_waiting, kept_after, got, end) = rt.block_on(async move {
+            let l = monoio::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let mut client = TcpStream::connect_addr(l.local_addr().unwrap())
+                .await
+                .unwrap();
+            let (conn, _) = l.accept().await.unwrap();
+            let (mut rd, mut wr) = conn.into_split();
+            let mut up = TcpStream::connect_addr(up_addr).await.unwrap();
+            let spares = Spares::new(RELAY_READ_BUF_BYTES);
+            let heads = Spares::new(2048);
+            assert_eq!(heads.len(), 0, "no spare head buffers before the relay");
+            let mut timer = crate::pipeline::client::new_timer();
+            let mut watch = ClientWatch::new(&mut rd, &mut timer, Instant::now());
+            let mut filters = FilterChain::default();
+            filters.set_usage(UsageFrameFilter::new());
+            let plan = RelayPlan {
+                framing: ResponseFraming::Chunked,
+                client: ClientFraming::Chunked,
+                idle_timeout: Duration::from_secs(10),
+                head_at: Instant::now(),
+                event_stream: true,
+            };
+            let mut stats = RelayStats::default();
+            let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+            let relay = relay(
+                &mut wr,
+                &mut up,
+                head,
+                Vec::with_capacity(RELAY_READ_BUF_BYTES),
+                0,
+                &plan,
+                &mut filters,
+                &mut watch,
+                &mut stats,
+                &spares,
+                &heads,
+            );
+            let heads_ref = &heads;
+            let probe = async move {
+                let mut got = Vec::new();
+                let mut held = None;
+                loop {
+                    let (n, b) = client.read(Vec::with_capacity(4096)).await;
+                    let n = n.unwrap();
+                    if n == 0 {
+                        break;
+                    }
+                    got.extend_from_slice(&b[..n]);
+                    let text = String::from_utf8_lossy(&got).into_owned();
+                    if held.is_none() && text.contains("t2") {
+                        // The relay has written the third event and waits for the peer.
+                        monoio::time::sleep(Duration::from_millis(50)).await;
+                        held = Some(heads_ref.len());
+                        go_tx.send(()).unwrap();
+                    }
+                    if text.ends_with("0\r\n\r\n") {
+                        break;
+                    }
+                }
+                (held, got)
+            };
+            let ((end, _), (held, got)) = monoio::join!(relay, probe);
+            (held, heads.len(), got, end)
+        });
+        peer.join().unwrap();
+        assert!(matches!(end, RelayEnd::Done { reusable: true }), "{end:?}");
+        let got = String::from_utf8(got).unwrap();
+        for i in 0..4 {
+            assert!(got.contains(&event(i)), "event {i} missing: {got:?}");
+        }
+        // While the stream waited: its decode buffer, the filter's output buffer and the
+        // client-write buffer were all spares, none held by the stream.
+        assert_eq!(held_while_waiting, Some(3));
+        // At the end they are spares again.
+        assert_eq!(kept_after, 3);
     }
 }

@@ -49,6 +49,9 @@ pub struct WorkerCtx {
     tails: Spares,
     /// Spare head buffers: the request for the peer and the response head for the client.
     heads: Spares,
+    /// Spare client read buffers, given back by connections that do not need theirs for a
+    /// while (an event stream, a closed connection).
+    inbufs: Spares,
     /// Spare per-request peer-load lists (see [`WorkerCtx::loads`]).
     loads: SpareVecs<crate::pipeline::peer_select::Load>,
     /// Spare request-body buffers for large bodies (see [`SpareBodies`]).
@@ -204,7 +207,7 @@ impl Spares {
 
     /// Buffers kept.
     #[cfg(test)]
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.list.borrow().len()
     }
 }
@@ -325,6 +328,7 @@ impl WorkerCtx {
             bufs: Spares::new(crate::limits::RELAY_READ_BUF_BYTES),
             tails: Spares::new(crate::pipeline::relay::TAIL_BYTES),
             heads: Spares::new(HEAD_BUF_BYTES),
+            inbufs: Spares::new(crate::limits::CLIENT_READ_BUF_BYTES),
             bodylog,
             wall: WallClock::default(),
             loads: SpareVecs::default(),
@@ -374,6 +378,16 @@ impl WorkerCtx {
     /// The spare head buffers, for the relay to give the client's head buffer back to.
     pub fn spare_heads(&self) -> &Spares {
         &self.heads
+    }
+
+    /// A client read buffer: a spare one, or a new one.
+    pub fn take_inbuf(&self) -> Vec<u8> {
+        self.inbufs.take()
+    }
+
+    /// Give a client read buffer back for reuse (its bytes are dropped).
+    pub fn put_inbuf(&self, b: Vec<u8>) {
+        self.inbufs.put(b)
     }
 
     /// A body tail for a relay.
