@@ -46,12 +46,12 @@ TARGET = 1.10
 WAIT_MS = 250.0
 
 
-
 def build_flags(flags):
     """How llama-server was compiled, for the Engines bullet."""
     if flags in ("", "native"):
         return "ggml's default `-march=native`"
     return "`" + flags + "`"
+
 
 def pctl(vals, p):
     """Nearest-rank percentile, as warmroute-bench computes it."""

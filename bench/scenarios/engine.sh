@@ -32,8 +32,9 @@
 #          peer queues the turn like haproxy does instead of spilling it to a cold engine),
 #          ENG_PARTIES ("direct wr-crc32 wr-table haproxy-sticky haproxy-rr"; also wr-crc32-spill:
 #          max_concurrency 1, at_max), ENG_SEED (1), ENG_CACHE_DIR, ENG_LLAMA_JOBS (nproc),
-#          ENG_LLAMA_NATIVE (0), ENG_CHART (bench/engine.png; empty = no chart). BENCH_RESULTS_MD= (empty) leaves
-#          bench/RESULTS.md alone, e.g. for a side run with ENG_THINK_MS.
+#          ENG_LLAMA_NATIVE (0), ENG_CHART (bench/engine.png; empty = no chart).
+#          BENCH_RESULTS_MD= (empty) leaves bench/RESULTS.md alone, e.g. for a side run with
+#          ENG_THINK_MS.
 
 ENG_ENGINES=${ENG_ENGINES:-2}
 ENG_ROUNDS=${ENG_ROUNDS:-2}
