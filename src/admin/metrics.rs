@@ -440,29 +440,38 @@ fn worker_driver(x: &mut Exposition, s: &Sources) {
 }
 
 fn worker_cpu(x: &mut Exposition, s: &Sources) {
-    let mut f = x.family(
+    worker_seconds(
+        x,
+        s,
         "warmroute_worker_cpu_seconds_total",
-        Kind::Counter,
         "CPU time of each worker thread as the worker last read it: the request and relay paths read it at most every 250 us (the read that keeps a CPU quota's books current); idle time and admin requests do not update it.",
+        |w| w.cpu_ns,
     );
-    for (i, w) in s.workers.iter().enumerate() {
-        f.sample(
-            &Labels::new(&[("worker", &i.to_string())]),
-            w.cpu_ns as f64 / 1e9,
-        );
-    }
 }
 
 fn worker_busy_poll(x: &mut Exposition, s: &Sources) {
-    let mut f = x.family(
+    worker_seconds(
+        x,
+        s,
         "warmroute_worker_busy_poll_seconds_total",
-        Kind::Counter,
         "Time each worker spent polling instead of waiting (busy_poll_us; 0 when off or on the epoll fallback).",
+        |w| w.busy_poll_ns,
     );
+}
+
+/// A per-worker seconds counter kept in nanoseconds.
+fn worker_seconds(
+    x: &mut Exposition,
+    s: &Sources,
+    name: &'static str,
+    help: &str,
+    ns: fn(&WorkerView) -> u64,
+) {
+    let mut f = x.family(name, Kind::Counter, help);
     for (i, w) in s.workers.iter().enumerate() {
         f.sample(
             &Labels::new(&[("worker", &i.to_string())]),
-            w.busy_poll_ns as f64 / 1e9,
+            ns(w) as f64 / 1e9,
         );
     }
 }
