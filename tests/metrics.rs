@@ -229,7 +229,8 @@ fn worker_cpu_is_read_on_the_request_and_relay_paths() {
             ),
             ("open", route_for(&[m.addr()], "")),
         ],
-        "",
+        // Busy polling also reads the clock, after any request (scrapes included).
+        "busy_poll_us = 0\n",
     );
     // Idle, scrapes only: nothing reads the clock (the control for the moves below).
     let c0 = worker_cpu(&env);
@@ -293,14 +294,15 @@ fn busy_poll(env: &Env) -> (f64, bool) {
     (spent, uring)
 }
 
-/// With `busy_poll_us`, a worker polls for that long after each request it starts or
-/// finishes (scrapes included), and then waits as usual: the time it spent polling grows
-/// with traffic and stops growing when the traffic does. Without it, nothing is spent.
+/// With `busy_poll_us` set to a window, a worker polls for that long after each request it
+/// starts or finishes (scrapes included), and then waits as usual: the time it spent
+/// polling grows with traffic and stops growing when the traffic does. With 0, nothing is
+/// spent.
 #[test]
 fn busy_polling_follows_requests_and_stops_when_idle() {
     let m = mock("m");
     // Control: the option off.
-    let off = start(&[("r", route_for(&[m.addr()], ""))], "");
+    let off = start(&[("r", route_for(&[m.addr()], ""))], "busy_poll_us = 0\n");
     for _ in 0..20 {
         let r = request(
             off.public(),
@@ -347,6 +349,67 @@ fn busy_polling_follows_requests_and_stops_when_idle() {
         b3 - b2 >= 0.05,
         "50 requests over ~100 ms: busy polled {} s",
         b3 - b2
+    );
+}
+
+/// `n` chat requests on one keep-alive connection to `route`, `pause` apart.
+fn keepalive_chats(env: &Env, route: &str, n: usize, pause: Duration) {
+    let conn = connect(env.public());
+    let mut w = conn.try_clone().unwrap();
+    let mut r = std::io::BufReader::new(conn);
+    let req = post_json(
+        &format!("/{route}/v1/chat/completions"),
+        &chat_body("hi", false),
+        "",
+    );
+    for _ in 0..n {
+        w.write_all(&req).unwrap();
+        let resp = read_response(&mut r, false).unwrap();
+        assert_eq!(resp.status, 200);
+        if !pause.is_zero() {
+            std::thread::sleep(pause);
+        }
+    }
+}
+
+/// The default, `busy_poll_us = "auto"`, polls only where it pays: requests milliseconds
+/// apart (an LLM's pace) get no polling, where a fixed 200 µs window would have spent that
+/// much after each start and finish; a tight ping-pong of short requests does get it.
+#[test]
+fn auto_busy_polling_polls_a_ping_pong_but_not_requests_milliseconds_apart() {
+    let fast = mock("fast");
+    let slow = mock_with("slow", |c| c.ttft_base_ms = 4);
+    let env = start(
+        &[
+            ("fast", route_for(&[fast.addr()], "")),
+            ("slow", route_for(&[slow.addr()], "")),
+        ],
+        "",
+    );
+    let (b0, uring) = busy_poll(&env);
+    // 60 requests taking 4 ms each, 3 ms apart: every gap between a start and a finish is
+    // longer than the window can grow. A fixed 200 µs window would spend ≥ 24 ms here.
+    keepalive_chats(&env, "slow", 60, Duration::from_millis(3));
+    let (b1, _) = busy_poll(&env);
+    // Control: the same router with requests back to back.
+    keepalive_chats(&env, "fast", 2000, Duration::ZERO);
+    let (b2, _) = busy_poll(&env);
+    if !uring {
+        assert_eq!(
+            (b0, b1, b2),
+            (0.0, 0.0, 0.0),
+            "busy polled on the epoll fallback"
+        );
+        return;
+    }
+    assert!(
+        b1 - b0 < 0.010,
+        "polled {} s for 60 requests milliseconds apart",
+        b1 - b0
+    );
+    assert!(
+        b2 > b1,
+        "no polling for 2000 back-to-back requests: {b1} -> {b2} s"
     );
 }
 

@@ -32,7 +32,7 @@ pub use route::{
     RouteOpts, DEFAULT_PEER_MAX_CONCURRENCY, MAX_PEERS_PER_ROUTE,
 };
 pub use server::{
-    ServerConfig, ServerDefaults, DEFAULT_ADMIN_LISTEN, DEFAULT_LISTEN,
+    BusyPoll, ServerConfig, ServerDefaults, DEFAULT_ADMIN_LISTEN, DEFAULT_LISTEN,
     DEFAULT_MAX_BODY_SIZE_CEILING, ENV_API_KEYS_FILE, ENV_BODYLOG_LISTENER,
 };
 pub use value::parse_size;

@@ -56,9 +56,9 @@ pub struct ServerConfig {
     /// anew for the next request (measured: 64 idle at 256 concurrent requests cost a
     /// quarter of a worker's throughput).
     pub upstream_idle_per_peer: usize,
-    /// After a request starts or finishes, how long a worker keeps polling instead of
-    /// waiting, in microseconds; 0 = off (see `worker::busy_poll`).
-    pub busy_poll_us: u64,
+    /// Whether and how long a worker keeps polling instead of waiting after a request
+    /// starts or finishes (`busy_poll_us`; see `worker::busy_poll`).
+    pub busy_poll: BusyPoll,
     pub defaults: ServerDefaults,
     /// Body-log listener `host:port`; `None` = body logging off.
     pub bodylog_listener: Option<String>,
@@ -96,7 +96,7 @@ impl Default for ServerConfig {
             client_head_timeout_ms: 30_000,
             upstream_idle_timeout_ms: 60_000,
             upstream_idle_per_peer: 1024,
-            busy_poll_us: 0,
+            busy_poll: BusyPoll::Auto,
             defaults: ServerDefaults::default(),
             bodylog_listener: None,
         }
@@ -106,6 +106,23 @@ impl Default for ServerConfig {
 const MS_MAX: i64 = 86_400_000;
 /// The largest `busy_poll_us`: one second.
 const BUSY_POLL_US_MAX: i64 = 1_000_000;
+
+/// `busy_poll_us`: a number of microseconds (0 = off), or `"auto"` (the default).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BusyPoll {
+    /// The worker always waits.
+    Off,
+    /// After each request start or finish, poll for this many microseconds.
+    Window(u64),
+    /// Poll only while it pays: request gaps shorter than [`BusyPoll::AUTO_MAX_US`], no
+    /// other task wanting the worker's core, and no CPU quota below the worker count.
+    Auto,
+}
+
+impl BusyPoll {
+    /// The longest window `"auto"` grows to, in microseconds.
+    pub const AUTO_MAX_US: u64 = 200;
+}
 
 /// Result of reading the server table: the config and whether `routes_dir` was set.
 pub(crate) struct ParsedServer {
@@ -191,11 +208,21 @@ pub(crate) fn parse_server(
                     c.upstream_idle_per_peer = usize::try_from(n).unwrap_or(0);
                 }
             }
-            "busy_poll_us" => {
-                if let Some(n) = value::integer(v, 0, BUSY_POLL_US_MAX, k, d) {
-                    c.busy_poll_us = u64::try_from(n).unwrap_or(0);
+            "busy_poll_us" => match v {
+                toml::Value::String(s) if s == "auto" => c.busy_poll = BusyPoll::Auto,
+                toml::Value::String(s) => d.error(
+                    k,
+                    format!("expected \"auto\" or a number of microseconds, found \"{s}\""),
+                ),
+                _ => {
+                    if let Some(n) = value::integer(v, 0, BUSY_POLL_US_MAX, k, d) {
+                        c.busy_poll = match u64::try_from(n).unwrap_or(0) {
+                            0 => BusyPoll::Off,
+                            us => BusyPoll::Window(us),
+                        };
+                    }
                 }
-            }
+            },
             "defaults" => {
                 if let Some(t) = value::table(v, k, d) {
                     parse_defaults(t, &mut c.defaults, d);

@@ -78,7 +78,7 @@ fn defaults_with_no_files() {
     assert_eq!(s.client_head_timeout_ms, 30_000);
     assert_eq!(s.upstream_idle_timeout_ms, 60_000);
     assert_eq!(s.upstream_idle_per_peer, 1024);
-    assert_eq!(s.busy_poll_us, 0);
+    assert_eq!(s.busy_poll, BusyPoll::Auto);
     assert_eq!(s.defaults, ServerDefaults::default());
     assert_eq!(s.defaults.postprocess, "");
     assert!(
@@ -99,9 +99,19 @@ fn defaults_with_no_files() {
 #[test]
 fn busy_poll_us_is_read() {
     let c = strs(Some("busy_poll_us = 200"), &[]).unwrap();
-    assert_eq!(c.server.busy_poll_us, 200);
-    let e = strs(Some("busy_poll_us = -1"), &[]).unwrap_err();
-    assert_eq!(fields(&e), ["busy_poll_us"]);
+    assert_eq!(c.server.busy_poll, BusyPoll::Window(200));
+    let c = strs(Some("busy_poll_us = 0"), &[]).unwrap();
+    assert_eq!(c.server.busy_poll, BusyPoll::Off);
+    let c = strs(Some(r#"busy_poll_us = "auto""#), &[]).unwrap();
+    assert_eq!(c.server.busy_poll, BusyPoll::Auto);
+    for bad in [
+        "busy_poll_us = -1",
+        r#"busy_poll_us = "fast""#,
+        "busy_poll_us = 2.5",
+    ] {
+        let e = strs(Some(bad), &[]).unwrap_err();
+        assert_eq!(fields(&e), ["busy_poll_us"], "{bad}");
+    }
 }
 
 #[test]

@@ -11,12 +11,19 @@ use super::{AccessLog, AccessLogTarget, LocalNotify, Shared};
 use crate::snapshot::Snapshot;
 use crate::upstream::UpstreamPool;
 
-/// The busy-poll window the server file sets, kept at zero off io_uring (see
-/// [`super::busy_poll`]).
-fn busy_poll_window(s: &Snapshot, driver: &str) -> std::time::Duration {
-    match driver {
-        "io_uring" => std::time::Duration::from_micros(s.config.server.busy_poll_us),
-        _ => std::time::Duration::ZERO,
+/// The busy polling the server file asks for, off on the epoll fallback, and `"auto"` off
+/// under a CPU quota smaller than the worker count (see [`super::busy_poll`]).
+fn busy_poll_mode(s: &Snapshot, driver: &str, workers: usize) -> super::busy_poll::Mode {
+    use super::busy_poll::Mode;
+    use crate::config::BusyPoll;
+    if driver != "io_uring" {
+        return Mode::Off;
+    }
+    match s.config.server.busy_poll {
+        BusyPoll::Off => Mode::Off,
+        BusyPoll::Window(us) => Mode::Window(std::time::Duration::from_micros(us)),
+        BusyPoll::Auto if super::quota::room_to_poll(workers) => Mode::Auto,
+        BusyPoll::Auto => Mode::Off,
     }
 }
 
@@ -335,8 +342,11 @@ impl WorkerCtx {
             bodies: SpareBodies::default(),
             busy_poll: Default::default(),
         };
-        ctx.busy_poll
-            .set_window(busy_poll_window(&ctx.snapshot.borrow(), driver));
+        ctx.busy_poll.set_mode(busy_poll_mode(
+            &ctx.snapshot.borrow(),
+            driver,
+            ctx.shared.workers_total,
+        ));
         ctx
     }
 
@@ -351,7 +361,8 @@ impl WorkerCtx {
             server.upstream_idle_per_peer,
             std::time::Duration::from_millis(server.upstream_idle_timeout_ms),
         );
-        self.busy_poll.set_window(busy_poll_window(&s, self.driver));
+        self.busy_poll
+            .set_mode(busy_poll_mode(&s, self.driver, self.shared.workers_total));
         *self.snapshot.borrow_mut() = Rc::new(s);
     }
 

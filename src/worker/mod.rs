@@ -243,7 +243,7 @@ fn worker_main(
         monoio::spawn(crate::control::run(ctx.clone()));
         if uring {
             monoio::spawn(busy_poll::run(ctx.clone()));
-        } else if ctx.snapshot().config.server.busy_poll_us > 0 {
+        } else if let crate::config::BusyPoll::Window(_) = ctx.snapshot().config.server.busy_poll {
             tracing::warn!(
                 worker = idx,
                 "busy_poll_us is ignored on the epoll fallback; the worker waits for events as usual"

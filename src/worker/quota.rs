@@ -17,8 +17,9 @@
 //! The time read is published as the worker's `warmroute_worker_cpu_seconds_total`.
 
 use std::cell::{Cell, RefCell};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::Shared;
@@ -72,9 +73,157 @@ fn settle_with(now: Instant, charge: impl FnOnce()) {
     }
 }
 
+/// Whether `workers` workers can busy poll without spending a CPU quota they share: true
+/// unless the process's cgroups limit it to fewer cores than that. The quota is read once
+/// per process (and logged when it turns `busy_poll_us = "auto"` off).
+pub fn room_to_poll(workers: usize) -> bool {
+    static LIMIT: OnceLock<Option<f64>> = OnceLock::new();
+    let limit = *LIMIT.get_or_init(|| {
+        let cgroup = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+        cpu_limit(Path::new("/sys/fs/cgroup"), &cgroup)
+    });
+    match limit {
+        Some(cores) if cores < workers as f64 => {
+            static LOGGED: OnceLock<()> = OnceLock::new();
+            LOGGED.get_or_init(|| {
+                tracing::info!(
+                    quota_cores = cores,
+                    workers,
+                    "busy polling (\"auto\") is off: the CPU quota is smaller than the worker count"
+                );
+            });
+            false
+        }
+        _ => true,
+    }
+}
+
+/// The tightest CPU quota, in cores, on the cgroups that `/proc/self/cgroup` (`cgroup`)
+/// names under the cgroup mount `root`, and on their ancestors: `cpu.max` (v2), or
+/// `cpu.cfs_quota_us` / `cpu.cfs_period_us` (v1). `None`: no quota. A container that sees
+/// its own cgroup as its mount's root finds the limit there (the named path, from the host's
+/// view, does not exist inside it).
+fn cpu_limit(root: &Path, cgroup: &str) -> Option<f64> {
+    let mut tightest: Option<f64> = None;
+    for line in cgroup.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) =
+            (fields.next(), fields.next(), fields.next())
+        else {
+            continue;
+        };
+        let path = path.trim_start_matches('/');
+        let found = if controllers.is_empty() {
+            cgroup_dirs(root, path)
+                .filter_map(|d| v2_limit(&d))
+                .reduce(f64::min)
+        } else if controllers.split(',').any(|c| c == "cpu") {
+            [
+                root.join(controllers),
+                root.join("cpu"),
+                root.join("cpu,cpuacct"),
+            ]
+            .iter()
+            .flat_map(|mount| cgroup_dirs(mount, path))
+            .filter_map(|d| v1_limit(&d))
+            .reduce(f64::min)
+        } else {
+            None
+        };
+        if let Some(c) = found {
+            tightest = Some(tightest.map_or(c, |t| t.min(c)));
+        }
+    }
+    tightest
+}
+
+/// `mount/path` and each of its ancestors up to `mount`.
+fn cgroup_dirs<'a>(mount: &'a Path, path: &'a str) -> impl Iterator<Item = PathBuf> + 'a {
+    let leaf = mount.join(path);
+    std::iter::successors(Some(leaf), move |d| {
+        d.parent()
+            .filter(|p| p.starts_with(mount))
+            .map(Path::to_path_buf)
+    })
+}
+
+/// `cpu.max` in `dir`: "max PERIOD" (none) or "QUOTA PERIOD".
+fn v2_limit(dir: &Path) -> Option<f64> {
+    let text = std::fs::read_to_string(dir.join("cpu.max")).ok()?;
+    let mut f = text.split_whitespace();
+    let quota: f64 = f.next()?.parse().ok()?;
+    let period: f64 = f.next()?.parse().ok()?;
+    (quota > 0.0 && period > 0.0).then(|| quota / period)
+}
+
+/// `cpu.cfs_quota_us` (-1: none) over `cpu.cfs_period_us` in `dir`.
+fn v1_limit(dir: &Path) -> Option<f64> {
+    let read = |f: &str| -> Option<f64> {
+        std::fs::read_to_string(dir.join(f))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    };
+    let quota = read("cpu.cfs_quota_us")?;
+    let period = read("cpu.cfs_period_us")?;
+    (quota > 0.0 && period > 0.0).then(|| quota / period)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Writes `files` (path under `root`, contents) and returns the limit read for `cgroup`.
+    fn limit_with(files: &[(&str, &str)], cgroup: &str) -> Option<f64> {
+        let root = std::env::temp_dir().join(format!(
+            "warmroute-quota-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = std::fs::remove_dir_all(&root);
+        for (path, text) in files {
+            let p = root.join(path);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        }
+        let got = cpu_limit(&root, cgroup);
+        let _ = std::fs::remove_dir_all(&root);
+        got
+    }
+
+    #[test]
+    fn reads_the_tightest_quota_of_a_cgroup_and_its_ancestors() {
+        // v2: the leaf has none, its parent half a core.
+        let v2 = [
+            ("cpu.max", "max 100000\n"),
+            ("app.slice/cpu.max", "50000 100000\n"),
+            ("app.slice/wr.scope/cpu.max", "max 100000\n"),
+        ];
+        assert_eq!(limit_with(&v2, "0::/app.slice/wr.scope\n"), Some(0.5));
+        // Control: the same tree without the parent's limit has no quota.
+        let open = [
+            ("cpu.max", "max 100000\n"),
+            ("app.slice/wr.scope/cpu.max", "max 100000\n"),
+        ];
+        assert_eq!(limit_with(&open, "0::/app.slice/wr.scope\n"), None);
+        // v1, the layout `bench/run` makes (5 ms per 10 ms), next to other controllers.
+        let v1 = [
+            ("cpu/wr/cpu.cfs_quota_us", "5000\n"),
+            ("cpu/wr/cpu.cfs_period_us", "10000\n"),
+            ("cpu/cpu.cfs_quota_us", "-1\n"),
+            ("cpu/cpu.cfs_period_us", "100000\n"),
+        ];
+        assert_eq!(limit_with(&v1, "12:memory:/wr\n4:cpu:/wr\n"), Some(0.5));
+        // v1 in a container: the host path does not exist; the mount's root has the limit.
+        let boxed = [
+            ("cpu,cpuacct/cpu.cfs_quota_us", "200000\n"),
+            ("cpu,cpuacct/cpu.cfs_period_us", "100000\n"),
+        ];
+        assert_eq!(limit_with(&boxed, "3:cpu,cpuacct:/docker/abc\n"), Some(2.0));
+        // Nothing readable: no quota.
+        assert_eq!(limit_with(&[], "0::/\n"), None);
+    }
 
     #[test]
     fn charges_at_most_once_per_interval() {
