@@ -404,7 +404,9 @@ def render_md(args, data):
         f"`libnginx-mod-http-lua` loaded from `{data.get('lua_module_dir') or '?'}`); haproxy "
         "`balance hdr(X-Session-ID)`, `hash-type consistent`, `http-reuse always`, "
         "`option http-no-delay`, `option forwardfor`, `replace-path` stripping `/bench`; warmroute "
-        "one route `bench` with one peer, `--access-log off`; vllm-router `--policy consistent_hash "
+        "one route `bench` with one peer, `--access-log off`, busy polling at its default "
+        f"(`\"auto\"`; warmroute-bp: `busy_poll_us = {s.get('busy_poll_us')}`); vllm-router "
+        "`--policy consistent_hash "
         "--log-level warning` and sglang-router `--policy manual --log-level warn` (at their default "
         "`info` both log every request), Prometheus exporters on 127.0.0.1. No access logs anywhere. "
         f"Configs are in the work directory `bench/out/overhead-{data['timestamp']}/`.")
@@ -499,9 +501,16 @@ def render_md(args, data):
         "backend → proxy → wrk) wakes a process on the other core; *one core* repeats the run with "
         "the pinned proxy moved onto the load core (`taskset -apc`), where the added latency is the "
         "proxy's own work and not the machine's cross-core wake-up time (the shared rows have no "
-        "such run). *With busy_poll_us*: the warmroute-bp-body party, whose worker polls instead of "
-        "waiting for that long after each request it starts or finishes (README, busy polling), so "
-        "the hops to the proxy find it running.")
+        "such run). " + (
+            "The other warmroute parties run at the default, `busy_poll_us = \"auto\"`: a worker polls "
+            "instead of waiting while requests come less than 200 µs apart (README, busy polling), so "
+            "the hops to the proxy find it running. *With busy_poll_us = 0*: the warmroute-bp-body "
+            "party, a second warmroute with busy polling off."
+            if not s.get('busy_poll_us') else
+            "*With busy_poll_us*: the warmroute-bp-body party, whose worker polls instead of "
+            "waiting for that long after each request it starts or finishes (README, busy polling), so "
+            "the hops to the proxy find it running; the other warmroute parties run at the default, "
+            "`busy_poll_us = \"auto\"`."))
     add("")
     if data.get("threads"):
         add("Processes / threads after the load (`/proc/PID/status`, the process and its children) "
@@ -710,7 +719,7 @@ def main():
     ap.add_argument("--router-versions", default="")
     ap.add_argument("--lua-module-dir", default="")
     ap.add_argument("--target-dir", default="target")
-    ap.add_argument("--busy-poll-us", type=int, default=200)
+    ap.add_argument("--busy-poll-us", type=int, default=0)
     args = ap.parse_args()
     args.work_prefix = args.work.rstrip("/") + "/"
 
