@@ -26,7 +26,7 @@
 //!   more than [`CONTENDED`], another task wanted the core (or the worker was throttled or
 //!   descheduled): polling stops, and stays off for [`COOL_DOWN`].
 //! - Under a CPU quota smaller than the worker count, `"auto"` does not poll at all
-//!   ([`super::quota::cgroup_cpu_limit`]).
+//!   ([`super::quota::room_to_poll`]).
 //!
 //! How: one task per worker awaits the write-readiness of one end of a socket pair, which is
 //! always writable. On io_uring that is a poll that completes as soon as the worker enters
