@@ -118,15 +118,11 @@ fn cpu_limit(root: &Path, cgroup: &str) -> Option<f64> {
                 .filter_map(|d| v2_limit(&d))
                 .reduce(f64::min)
         } else if controllers.split(',').any(|c| c == "cpu") {
-            [
-                root.join(controllers),
-                root.join("cpu"),
-                root.join("cpu,cpuacct"),
-            ]
-            .iter()
-            .flat_map(|mount| cgroup_dirs(mount, path))
-            .filter_map(|d| v1_limit(&d))
-            .reduce(f64::min)
+            [root.join(controllers), root.join("cpu")]
+                .iter()
+                .flat_map(|mount| cgroup_dirs(mount, path))
+                .filter_map(|d| v1_limit(&d))
+                .reduce(f64::min)
         } else {
             None
         };
@@ -221,6 +217,12 @@ mod tests {
             ("cpu,cpuacct/cpu.cfs_period_us", "100000\n"),
         ];
         assert_eq!(limit_with(&boxed, "3:cpu,cpuacct:/docker/abc\n"), Some(2.0));
+        // v1 with cpu and cpuacct joined, mounted as `cpu` only (no `cpu,cpuacct` link).
+        let joined = [
+            ("cpu/wr/cpu.cfs_quota_us", "150000\n"),
+            ("cpu/wr/cpu.cfs_period_us", "100000\n"),
+        ];
+        assert_eq!(limit_with(&joined, "2:cpu,cpuacct:/wr\n"), Some(1.5));
         // Nothing readable: no quota.
         assert_eq!(limit_with(&[], "0::/\n"), None);
     }
