@@ -398,13 +398,9 @@ pub async fn relay(
             }
         }
         if finished {
-            // A re-framed body's write buffer goes back for the next request's head (the
-            // spares keep it only if its size suits them).
-            if out.capacity() > 0 {
-                heads.put(out);
-            }
-            heads.put(body);
-            heads.put(decoded);
+            // The write, filter and decode buffers go back for the next request's head (the
+            // spares keep only those whose size suits them).
+            give_back(heads, [&mut out, &mut body, &mut decoded]);
             return (
                 RelayEnd::Done {
                     reusable: clean && !eof,
@@ -430,9 +426,7 @@ pub async fn relay(
         // waits: they go back to the spares (which keep them unless a burst grew them) and
         // the next read takes one. Bulk bodies keep theirs from read to read.
         if want == SMALL_READ_BUF_BYTES {
-            heads.put(std::mem::take(&mut body));
-            heads.put(std::mem::take(&mut decoded));
-            heads.put(std::mem::take(&mut out));
+            give_back(heads, [&mut out, &mut body, &mut decoded]);
         }
         let cap = pending.capacity();
         // Idle: nothing from the peer for `idle_timeout` from now, after the client's
@@ -480,6 +474,14 @@ fn note_body(stats: &mut RelayStats, now: Instant, n: usize) {
             stats.first_body_at = Some(now);
         }
         stats.body_bytes += n as u64;
+    }
+}
+
+/// Hands the relay's per-response buffers to the spares, leaving them empty (the next
+/// use takes a spare one).
+fn give_back(heads: &Spares, bufs: [&mut Vec<u8>; 3]) {
+    for b in bufs {
+        heads.put(std::mem::take(b));
     }
 }
 
