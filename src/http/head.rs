@@ -475,11 +475,16 @@ impl RequestHead {
     }
 }
 
+/// Where `s` lies in `raw`, as start and length; `[0, 0]` (empty) when it is not a part of
+/// `raw`. httparse hands out a static `""` as the reason of a status line that has none
+/// (`HTTP/1.1 200` + CRLF) or one that is not UTF-8 (obs-text), not a slice of the buffer.
 fn offset_in(raw: &[u8], s: &str) -> [u32; 2] {
-    [
-        (s.as_ptr() as usize - raw.as_ptr() as usize) as u32,
-        s.len() as u32,
-    ]
+    let start = (s.as_ptr() as usize).wrapping_sub(raw.as_ptr() as usize);
+    if start <= raw.len() && s.len() <= raw.len() - start {
+        [start as u32, s.len() as u32]
+    } else {
+        [0, 0]
+    }
 }
 
 /// Parse `Content-Length` values: all must be plain digits and agree.
@@ -676,8 +681,7 @@ pub fn parse_response(
     if !(100..=999).contains(&code) {
         return Err(HeadError::Malformed("invalid status code"));
     }
-    let reason = offset_in(raw, res.reason.unwrap_or(""));
-    let reason = if res.reason.is_some() { reason } else { [0, 0] };
+    let reason = res.reason.map_or([0, 0], |r| offset_in(raw, r));
     let headers = Headers::from_parsed(raw, res.headers);
     let te = transfer_encoding(&headers);
     let cl = content_length(&headers);
@@ -1083,6 +1087,27 @@ mod tests {
         match parse_response(s.as_bytes(), head).unwrap() {
             HeadParse::Complete(h, _) => h,
             HeadParse::Partial => panic!("partial"),
+        }
+    }
+
+    #[test]
+    fn a_status_line_without_a_usable_reason_has_an_empty_one() {
+        // No reason phrase at all, an empty one, and one that is not UTF-8 (httparse gives
+        // a static "" for the first and the last, not a slice of the head).
+        for (line, reason) in [
+            (&b"HTTP/1.1 200\r\n"[..], ""),
+            (b"HTTP/1.1 200 \r\n", ""),
+            (b"HTTP/1.1 404 Not \xff Found\r\n", ""),
+            (b"HTTP/1.1 201 Made\r\n", "Made"),
+        ] {
+            let mut head = line.to_vec();
+            head.extend_from_slice(b"Content-Length: 0\r\n\r\n");
+            let HeadParse::Complete(h, n) = parse_response(&head, false).unwrap() else {
+                panic!("partial");
+            };
+            assert_eq!(n, head.len());
+            assert_eq!(h.reason(), reason, "{line:?}");
+            assert_eq!(h.framing, ResponseFraming::Length(0));
         }
     }
 

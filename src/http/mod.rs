@@ -4,11 +4,16 @@
 //! framed (RFC 9112 §6), decodes chunked bodies incrementally and writes heads. Everything
 //! here takes byte slices and returns values or errors; the IO shells live in `worker` and
 //! `pipeline`. Client and peer bytes never panic this module: every malformed input is an
-//! error value. Fuzzed by `fuzz/fuzz_targets/h1_*`.
+//! error value. `tests.rs` feeds them seeded random mutations of real heads and chunked
+//! bodies and checks what a parse promises (no fuzzing harness: `cargo fuzz` needs a nightly
+//! toolchain).
 
 mod chunked;
 mod head;
 mod write;
+
+#[cfg(test)]
+mod tests;
 
 pub use chunked::{encode_chunk, ChunkError, ChunkedDecoder};
 pub use head::{
