@@ -692,3 +692,44 @@ fn a_large_body_is_sent_whole_on_every_attempt() {
     assert!(retried > 0, "no request was retried");
     assert_eq!(inflight_total(&env, "r"), 0);
 }
+
+/// A peer may leave the reason phrase out of its status line (`HTTP/1.1 200` + CRLF), or
+/// send one that is not UTF-8. The client gets the standard phrase for the code, the body
+/// as sent, and the worker goes on serving; a peer's own phrase is still relayed.
+#[test]
+fn a_status_line_without_a_usable_reason_is_relayed_with_the_standard_one() {
+    let b = raw_backend(
+        vec![
+            b"HTTP/1.1 200\r\nContent-Length: 2\r\n\r\n{}".to_vec(),
+            b"HTTP/1.1 404 Not \xff Found\r\nContent-Length: 2\r\n\r\nno".to_vec(),
+            b"HTTP/1.1 201 Made\r\nContent-Length: 2\r\n\r\nok".to_vec(),
+        ],
+        usize::MAX,
+    );
+    let env = start(&[("r", route_for(&[b.addr], ""))], "");
+    let want: [&[u8]; 3] = [
+        b"HTTP/1.1 200 OK\r\n",
+        b"HTTP/1.1 404 Not Found\r\n",
+        b"HTTP/1.1 201 Made\r\n",
+    ];
+    let bodies: [&[u8]; 3] = [b"{}", b"no", b"ok"];
+    // Each on a connection of its own, so both workers take some; the script goes round.
+    for i in 0..12 {
+        let mut c = connect(env.public());
+        c.write_all(b"GET /r/x HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut got = Vec::new();
+        c.read_to_end(&mut got).unwrap();
+        let text = String::from_utf8_lossy(&got);
+        assert!(got.starts_with(want[i % 3]), "request {i}: {text:?}");
+        assert!(got.ends_with(bodies[i % 3]), "request {i}: {text:?}");
+    }
+    // No connection task panicked; the counter is there to say so.
+    let metrics = request(env.admin(), &get("/metrics")).text();
+    let panics: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("warmroute_worker_panics_total{"))
+        .collect();
+    assert_eq!(panics.len(), 2, "{metrics}");
+    assert!(panics.iter().all(|l| l.ends_with(" 0")), "{panics:?}");
+}

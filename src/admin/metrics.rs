@@ -40,6 +40,7 @@ pub fn response(ctx: &WorkerCtx, snap: &Snapshot) -> Response {
                 driver: w.driver.load(Ordering::Acquire),
                 cpu_ns: w.cpu_ns.load(Ordering::Relaxed),
                 busy_poll_ns: w.busy_poll_ns.load(Ordering::Relaxed),
+                panics: w.panics.load(Ordering::Relaxed),
             })
             .collect(),
         ctx.index,
@@ -63,6 +64,7 @@ const FAMILIES: &[Family] = &[
     worker_driver,
     worker_cpu,
     worker_busy_poll,
+    worker_panics,
     config_generation,
     access_log_dropped,
     route_requests,
@@ -319,6 +321,8 @@ pub struct WorkerView {
     pub cpu_ns: u64,
     /// Time it has spent busy polling, in nanoseconds.
     pub busy_poll_ns: u64,
+    /// Connection tasks that panicked and were ended alone.
+    pub panics: u64,
 }
 
 /// Everything a scrape reads, gathered once.
@@ -457,6 +461,17 @@ fn worker_busy_poll(x: &mut Exposition, s: &Sources) {
         "Time each worker spent polling instead of waiting (busy_poll_us; 0 when off or on the epoll fallback).",
         |w| w.busy_poll_ns,
     );
+}
+
+fn worker_panics(x: &mut Exposition, s: &Sources) {
+    let mut f = x.family(
+        "warmroute_worker_panics_total",
+        Kind::Counter,
+        "Connection tasks that panicked; each closed its own connection and its worker served on. Any is a bug: the log has the message.",
+    );
+    for (i, w) in s.workers.iter().enumerate() {
+        f.sample(&Labels::new(&[("worker", &i.to_string())]), w.panics as f64);
+    }
 }
 
 /// A per-worker seconds counter kept in nanoseconds.
@@ -1027,6 +1042,7 @@ mod tests {
                 driver,
                 cpu_ns,
                 busy_poll_ns: 0,
+                panics: 0,
             })
             .collect()
     }

@@ -8,6 +8,7 @@
 
 mod access_log;
 pub mod busy_poll;
+mod contain;
 mod ctx;
 mod listen;
 mod notify;
@@ -58,6 +59,8 @@ pub struct WorkerCells {
     pub cpu_ns: AtomicU64,
     /// Time it has spent busy polling ([`busy_poll`]), in nanoseconds.
     pub busy_poll_ns: AtomicU64,
+    /// Connection tasks that panicked and were ended alone ([`contain`]).
+    pub panics: AtomicU64,
 }
 
 impl Shared {
@@ -376,10 +379,19 @@ fn serve(
     kind: PortKind,
 ) {
     let _ = stream.set_nodelay(true);
-    monoio::spawn(crate::pipeline::serve_client(
-        ctx.clone(),
-        stream,
-        addr,
-        kind,
+    let (cx, index) = (ctx.clone(), ctx.index);
+    monoio::spawn(contain::contained(
+        crate::pipeline::serve_client(ctx.clone(), stream, addr, kind),
+        move |panic| {
+            cx.shared.per_worker[index]
+                .panics
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::error!(
+                worker = index,
+                client = %addr,
+                panic,
+                "a connection task panicked: that connection is closed and the worker serves on; this is a bug, please report it with this line"
+            );
+        },
     ));
 }
