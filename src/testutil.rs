@@ -27,3 +27,35 @@ impl XorShift {
         (self.next() >> 11) as f64 / (1u64 << 53) as f64
     }
 }
+
+/// `seed` with one to four random edits: truncate, overwrite a byte, splice one of
+/// `specials` (the byte runs that matter to the grammar under test), cut up to 15 bytes,
+/// or repeat a run of up to 31.
+pub fn mutate(rng: &mut XorShift, seed: &[u8], specials: &[&[u8]]) -> Vec<u8> {
+    let mut b = seed.to_vec();
+    for _ in 0..1 + rng.below(4) {
+        let pos = rng.below(b.len() + 1);
+        match rng.below(5) {
+            0 => b.truncate(pos),
+            1 => {
+                if pos < b.len() {
+                    b[pos] = rng.next() as u8;
+                }
+            }
+            2 => {
+                let s = specials[rng.below(specials.len())];
+                b.splice(pos..pos, s.iter().copied());
+            }
+            3 => {
+                let end = (pos + rng.below(16)).min(b.len());
+                b.drain(pos..end);
+            }
+            _ => {
+                let end = (pos + rng.below(32)).min(b.len());
+                let run = b[pos..end].to_vec();
+                b.splice(pos..pos, run);
+            }
+        }
+    }
+    b
+}

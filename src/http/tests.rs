@@ -5,7 +5,7 @@
 use super::*;
 use crate::testutil::XorShift;
 
-/// Byte runs that matter to the grammar, spliced in by [`mutate`].
+/// Byte runs that matter to the grammar, spliced in by the mutations.
 const SPECIALS: &[&[u8]] = &[
     b"\r\n",
     b"\n",
@@ -30,35 +30,8 @@ const SPECIALS: &[&[u8]] = &[
     b"HTTP/1.0",
 ];
 
-/// One to four random edits: truncate, overwrite a byte, splice a special, cut a run, or
-/// repeat a run.
 fn mutate(rng: &mut XorShift, seed: &[u8]) -> Vec<u8> {
-    let mut b = seed.to_vec();
-    for _ in 0..1 + rng.below(4) {
-        let pos = rng.below(b.len() + 1);
-        match rng.below(5) {
-            0 => b.truncate(pos),
-            1 => {
-                if pos < b.len() {
-                    b[pos] = rng.next() as u8;
-                }
-            }
-            2 => {
-                let s = SPECIALS[rng.below(SPECIALS.len())];
-                b.splice(pos..pos, s.iter().copied());
-            }
-            3 => {
-                let end = (pos + rng.below(16)).min(b.len());
-                b.drain(pos..end);
-            }
-            _ => {
-                let end = (pos + rng.below(48)).min(b.len());
-                let run = b[pos..end].to_vec();
-                b.splice(pos..pos, run);
-            }
-        }
-    }
-    b
+    crate::testutil::mutate(rng, seed, SPECIALS)
 }
 
 /// The headers of `h` written back with `write_lines` (all kept) under `start`, parsed

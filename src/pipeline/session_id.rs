@@ -1174,31 +1174,7 @@ mod tests {
         let h = hdrs(&[]);
         let mut rng = XorShift::new(0x9e37_79b9_7f4a_7c15);
         for i in 0..4000 {
-            let mut b = seeds[i % seeds.len()].to_vec();
-            for _ in 0..1 + rng.below(4) {
-                let pos = rng.below(b.len() + 1);
-                match rng.below(5) {
-                    0 => b.truncate(pos),
-                    1 => {
-                        if pos < b.len() {
-                            b[pos] = rng.next() as u8;
-                        }
-                    }
-                    2 => {
-                        let s = specials[rng.below(specials.len())];
-                        b.splice(pos..pos, s.iter().copied());
-                    }
-                    3 => {
-                        let end = (pos + rng.below(16)).min(b.len());
-                        b.drain(pos..end);
-                    }
-                    _ => {
-                        let end = (pos + rng.below(32)).min(b.len());
-                        let chunk = b[pos..end].to_vec();
-                        b.splice(pos..pos, chunk);
-                    }
-                }
-            }
+            let b = crate::testutil::mutate(&mut rng, seeds[i % seeds.len()], specials);
             let fields = parse_body(&b);
             // Whatever a tree parser reads as an object, the one-pass parser reads too.
             if let Ok(serde_json::Value::Object(v)) = serde_json::from_slice(&b) {
