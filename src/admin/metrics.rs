@@ -444,50 +444,46 @@ fn worker_driver(x: &mut Exposition, s: &Sources) {
 }
 
 fn worker_cpu(x: &mut Exposition, s: &Sources) {
-    worker_seconds(
+    worker_counter(
         x,
         s,
         "warmroute_worker_cpu_seconds_total",
         "CPU time of each worker thread as the worker last read it: the request and relay paths read it at most every 250 us (the read that keeps a CPU quota's books current); idle time and admin requests do not update it.",
-        |w| w.cpu_ns,
+        |w| w.cpu_ns as f64 / 1e9,
     );
 }
 
 fn worker_busy_poll(x: &mut Exposition, s: &Sources) {
-    worker_seconds(
+    worker_counter(
         x,
         s,
         "warmroute_worker_busy_poll_seconds_total",
         "Time each worker spent polling instead of waiting (busy_poll_us; 0 when off or on the epoll fallback).",
-        |w| w.busy_poll_ns,
+        |w| w.busy_poll_ns as f64 / 1e9,
     );
 }
 
 fn worker_panics(x: &mut Exposition, s: &Sources) {
-    let mut f = x.family(
+    worker_counter(
+        x,
+        s,
         "warmroute_worker_panics_total",
-        Kind::Counter,
         "Connection tasks that panicked; each closed its own connection and its worker served on. Any is a bug: the log has the message.",
+        |w| w.panics as f64,
     );
-    for (i, w) in s.workers.iter().enumerate() {
-        f.sample(&Labels::new(&[("worker", &i.to_string())]), w.panics as f64);
-    }
 }
 
-/// A per-worker seconds counter kept in nanoseconds.
-fn worker_seconds(
+/// A counter with one sample per worker, labelled by its index.
+fn worker_counter(
     x: &mut Exposition,
     s: &Sources,
     name: &'static str,
     help: &str,
-    ns: fn(&WorkerView) -> u64,
+    value: fn(&WorkerView) -> f64,
 ) {
     let mut f = x.family(name, Kind::Counter, help);
     for (i, w) in s.workers.iter().enumerate() {
-        f.sample(
-            &Labels::new(&[("worker", &i.to_string())]),
-            ns(w) as f64 / 1e9,
-        );
+        f.sample(&Labels::new(&[("worker", &i.to_string())]), value(w));
     }
 }
 

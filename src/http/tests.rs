@@ -88,7 +88,7 @@ fn check_request(b: &[u8]) -> bool {
             .expect("a length comes from the header");
         assert!(
             cl.split(|&c| c == b',')
-                .all(|v| decimal(trim_ascii(v)) == Some(len)),
+                .all(|v| decimal(v.trim_ascii()) == Some(len)),
             "{b:?}"
         );
     }
@@ -125,18 +125,6 @@ fn check_response(b: &[u8], head_request: bool) -> bool {
 
 fn decimal(v: &[u8]) -> Option<u64> {
     std::str::from_utf8(v).ok()?.parse().ok()
-}
-
-fn trim_ascii(v: &[u8]) -> &[u8] {
-    let start = v
-        .iter()
-        .position(|c| !matches!(c, b' ' | b'\t'))
-        .unwrap_or(v.len());
-    let end = v
-        .iter()
-        .rposition(|c| !matches!(c, b' ' | b'\t'))
-        .map_or(start, |e| e + 1);
-    &v[start..end]
 }
 
 #[test]
