@@ -112,6 +112,7 @@ fn init_logging(json: bool) {
     } else {
         b.init();
     }
+    warmroute::worker::contain::log_panics();
 }
 
 fn main() -> ExitCode {

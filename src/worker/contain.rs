@@ -37,6 +37,25 @@ where
     }
 }
 
+/// Route every panic to the log as one event: its thread, location and message, and a
+/// backtrace when `RUST_BACKTRACE` asks for one. The default hook writes plain lines to
+/// stderr instead, which a `--log-json` log cannot parse, and the location a bug report
+/// needs is only there. Call it after the log is set up: before, the event goes nowhere.
+pub fn log_panics() {
+    std::panic::set_hook(Box::new(|info| {
+        let current = std::thread::current();
+        let thread = current.name().unwrap_or("unnamed");
+        let location = info.location().map(ToString::to_string).unwrap_or_default();
+        let panic = info.payload_as_str().unwrap_or("(no message)");
+        let backtrace = std::backtrace::Backtrace::capture();
+        if backtrace.status() == std::backtrace::BacktraceStatus::Captured {
+            tracing::error!(thread, location, panic, %backtrace, "panicked");
+        } else {
+            tracing::error!(thread, location, panic, "panicked");
+        }
+    }));
+}
+
 /// The text a panic was raised with (`panic!("...")` gives a `&str` or a `String`).
 fn message(payload: &(dyn Any + Send)) -> &str {
     if let Some(s) = payload.downcast_ref::<&str>() {
@@ -112,6 +131,60 @@ mod tests {
             panic!("reported a panic that did not happen: {m}")
         }));
         assert!(ran.get());
+    }
+
+    /// A log that writes into a shared buffer.
+    #[derive(Clone, Default)]
+    struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Captured {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    impl Captured {
+        fn text(&self) -> String {
+            String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+        }
+    }
+
+    #[test]
+    fn panics_go_to_the_log_with_their_location() {
+        let log = Captured::default();
+        let subscriber = || {
+            let w = log.clone();
+            tracing_subscriber::fmt()
+                .with_writer(move || w.clone())
+                .with_ansi(false)
+                .finish()
+        };
+        let panic_line = line!() + 3;
+        let panic_here = |what: &'static str| {
+            tracing::subscriber::with_default(subscriber(), || {
+                std::panic::catch_unwind(|| panic!("{what}")).unwrap_err()
+            })
+        };
+        // Control: the default hook does not write to the log.
+        let before = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        panic_here("unseen, deliberately");
+        assert_eq!(log.text(), "", "a hook that does not log");
+        log_panics();
+        panic_here("seen, deliberately");
+        std::panic::set_hook(before);
+        let text = log.text();
+        assert!(text.contains(r#"panic="seen, deliberately""#), "{text}");
+        let location = format!(r#"location="{}:{panic_line}:"#, file!());
+        assert!(text.contains(&location), "{text}");
+        assert!(text.contains(" ERROR "), "{text}");
+        assert_eq!(
+            text.matches("location=").count(),
+            1,
+            "one event per panic: {text}"
+        );
     }
 
     #[test]

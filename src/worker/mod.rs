@@ -8,7 +8,7 @@
 
 mod access_log;
 pub mod busy_poll;
-mod contain;
+pub mod contain;
 mod ctx;
 mod listen;
 mod notify;
@@ -390,7 +390,7 @@ fn serve(
                 worker = index,
                 client = %addr,
                 panic,
-                "a connection task panicked: that connection is closed and the worker serves on; this is a bug, please report it with this line"
+                "a connection task panicked: that connection is closed and the worker serves on; this is a bug: please report it with this line and the \"panicked\" line before it (its location)"
             );
         },
     ));
