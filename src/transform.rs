@@ -1845,6 +1845,41 @@ mod tests {
     }
 
     #[test]
+    fn the_filters_usage_is_the_one_the_streams_tail_gives() {
+        // The router takes a filtered stream's usage from the filter, which sees every
+        // event, instead of scanning the stream's tail afterwards: on streams of one-line
+        // events (what servers send), both give the same counts.
+        const EVENTS: [&str; 9] = [
+            CONTENT1,
+            CONTENT2,
+            USAGE,
+            DONE,
+            ": ping\n\n",
+            "data: {\"x\":\"usage\",\"usage\" : {\"prompt_tokens\":3}}\n\n",
+            "data: {\"choices\":[],\"usage\" \t: \t{\"prompt_tokens\":6,\"completion_tokens\":2.0}}\n\n",
+            "data: {\"x\":\"\\\"usage\\\"\",\"usage\": null}\n\n",
+            "data: {\"choices\":[{\"delta\":{}}],\"usage\":{\"completion_tokens\":4}}\r\n\r\n",
+        ];
+        let mut rng = crate::testutil::XorShift::new(17);
+        let mut with_usage = 0;
+        for _ in 0..2000 {
+            let stream: String = (0..rng.below(10))
+                .map(|_| EVENTS[rng.below(EVENTS.len())])
+                .collect();
+            let b = stream.as_bytes();
+            let at = rng.below(b.len() + 1);
+            let (_, f) = filter_all(&[&b[..at], &b[at..]]);
+            let filtered = f.usage().and_then(usage_from_json);
+            assert_eq!(filtered, usage_from_sse(b), "{stream:?}");
+            with_usage += usize::from(filtered.is_some());
+        }
+        assert!(
+            with_usage > 500,
+            "most streams carry a usage object: {with_usage}"
+        );
+    }
+
+    #[test]
     fn plain_runs_take_whole_reads_of_usual_events() {
         // The usual read of a stream with include_usage on: every chunk says
         // `"usage":null`; the whole of it up to the last blank line is one run.

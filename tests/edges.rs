@@ -260,6 +260,16 @@ fn injected_usage_is_recorded_but_removed_from_the_client_stream() {
         request(env.public(), &get("/r/_route_state")).json()["transforms"]["usage_injected"],
         1
     );
+    // Its tokens are recorded too: read from the stream's tail, as no filter ran.
+    eventually(
+        Duration::from_secs(5),
+        "the router records the second stream's tokens",
+        || {
+            st = request(env.public(), &get("/r/_route_state")).json();
+            st["cache"]["prompt_tokens"] == 12
+        },
+    );
+    assert_eq!(st["cache"]["completion_tokens"], 6);
 }
 
 #[test]

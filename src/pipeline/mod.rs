@@ -810,9 +810,16 @@ async fn proxy(
                     head_at: ex.head_at,
                     event_stream,
                 };
+                // The usage-frame filter reads the usage as the events pass: no tail then.
+                let no_tail = filters.reads_usage();
                 let mut stats = RelayStats {
                     capture: bodylog_capture(ctx, route, &p.body, inserted_at),
-                    tail: ctx.take_tail(),
+                    tail: if no_tail {
+                        relay::Tail::default()
+                    } else {
+                        ctx.take_tail()
+                    },
+                    no_tail,
                     ..RelayStats::default()
                 };
                 // Nothing is retried once a response is relayed: a long stream should not
@@ -862,10 +869,10 @@ async fn proxy(
                 if (200..300).contains(&ex.head.status) {
                     // On a 2xx, an SSE body (`postprocess::mode_for`) is exactly an event stream.
                     let sse = event_stream;
-                    stats.usage = if sse {
-                        crate::transform::usage_from_sse(stats.tail.bytes())
-                    } else {
-                        crate::usage::usage_in_json_tail(stats.tail.bytes())
+                    stats.usage = match filters.seen_usage() {
+                        Some(seen) => seen,
+                        None if sse => crate::transform::usage_from_sse(stats.tail.bytes()),
+                        None => crate::usage::usage_in_json_tail(stats.tail.bytes()),
                     };
                     if let Some(u) = stats.usage {
                         account_usage(seg, route, routed.peer, &u);

@@ -35,8 +35,11 @@ pub struct RelayStats {
     pub body_bytes: u64,
     /// First non-empty body bytes, for TTFT.
     pub first_body_at: Option<Instant>,
-    /// The last bytes of the (de-chunked) body, where the usage arrives.
+    /// The last bytes of the (de-chunked) body, where the usage arrives. Not kept when the
+    /// usage-frame filter reads the usage as the events pass (`FilterChain::seen_usage`).
     pub tail: Tail,
+    /// The tail is not kept (see `tail`).
+    pub no_tail: bool,
     /// Tokens the response reported (filled by the caller from `tail`).
     pub usage: Option<crate::transform::Usage>,
     /// The body-log copy of the response, when this request is body-logged.
@@ -48,7 +51,9 @@ pub struct RelayStats {
 impl RelayStats {
     /// Record decoded body bytes as they pass.
     fn body(&mut self, d: &[u8]) {
-        self.tail.push(d);
+        if !self.no_tail {
+            self.tail.push(d);
+        }
         if let Some(c) = self.capture.as_mut() {
             c.push_response(d);
         }
@@ -167,6 +172,19 @@ impl FilterChain {
 
     pub fn is_empty(&self) -> bool {
         self.usage.is_none() && self.rest.is_empty()
+    }
+
+    /// Whether the chain has the usage-frame filter, which reads every event's usage object
+    /// as it passes: then the body's tail need not be kept for [`Self::seen_usage`].
+    pub fn reads_usage(&self) -> bool {
+        self.usage.is_some()
+    }
+
+    /// The usage the usage-frame filter saw (the last usage object of the stream), when the
+    /// chain has that filter (`None`); `Some(None)` when the stream had none.
+    pub fn seen_usage(&self) -> Option<Option<crate::transform::Usage>> {
+        let f = self.usage.as_ref()?;
+        Some(f.usage().and_then(crate::transform::usage_from_json))
     }
 
     /// Run `data` through every filter, appending what the last one gives to `out`.
