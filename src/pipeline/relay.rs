@@ -40,7 +40,8 @@ pub struct RelayStats {
     pub tail: Tail,
     /// The tail is not kept (see `tail`).
     pub no_tail: bool,
-    /// Tokens the response reported (filled by the caller from `tail`).
+    /// Tokens the response reported (filled by the caller from the usage-frame filter, or
+    /// else from `tail`).
     pub usage: Option<crate::transform::Usage>,
     /// The body-log copy of the response, when this request is body-logged.
     pub capture: Option<crate::bodylog::capture::Capture>,
