@@ -14,14 +14,17 @@ use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::task::Poll;
 
-/// Run `fut` to its end; if a poll of it panics, stop polling it, drop it and hand the
-/// panic's message to `on_panic`.
-pub async fn contained<F, P>(fut: F, on_panic: P)
+/// Run the future `make` builds to its end; if a poll of it panics, stop polling it, drop
+/// it and hand the panic's message to `on_panic`. The future is built here, in place: taken
+/// by value it would be held twice, the moved-in argument beside the pinned copy, and a
+/// connection's task is held for the connection's whole life.
+pub async fn contained<M, F, P>(make: M, on_panic: P)
 where
+    M: FnOnce() -> F,
     F: Future<Output = ()>,
     P: FnOnce(&str),
 {
-    let mut fut = std::pin::pin!(fut);
+    let mut fut = std::pin::pin!(make());
     let panicked = std::future::poll_fn(|cx| {
         // Unwind safety: after a panic the future is never polled again, only dropped,
         // and nothing else observes the state it was left in.
@@ -95,7 +98,7 @@ mod tests {
             let g = Guard(dropped.clone());
             let t = told.clone();
             let bad = monoio::spawn(contained(
-                async move {
+                move || async move {
                     let _g = g;
                     monoio::time::sleep(Duration::from_millis(5)).await;
                     // Deliberately: the bug being contained.
@@ -105,7 +108,7 @@ mod tests {
             ));
             let f = finished.clone();
             let good = monoio::spawn(contained(
-                async move {
+                move || async move {
                     monoio::time::sleep(Duration::from_millis(20)).await;
                     f.set(true);
                 },
@@ -127,9 +130,10 @@ mod tests {
             .unwrap();
         let ran = Rc::new(Cell::new(false));
         let r = ran.clone();
-        rt.block_on(contained(async move { r.set(true) }, |m| {
-            panic!("reported a panic that did not happen: {m}")
-        }));
+        rt.block_on(contained(
+            move || async move { r.set(true) },
+            |m| panic!("reported a panic that did not happen: {m}"),
+        ));
         assert!(ran.get());
     }
 
@@ -185,6 +189,22 @@ mod tests {
             1,
             "one event per panic: {text}"
         );
+    }
+
+    #[test]
+    fn the_wrapped_task_is_not_held_twice() {
+        // A connection's task is held for the connection's whole life (an open stream's
+        // memory): the wrapper must build the future in place, not keep a moved-in copy
+        // of it next to the pinned one.
+        let make = || async {
+            let buf = [0u8; 4096];
+            monoio::time::sleep(Duration::from_millis(1)).await;
+            std::hint::black_box(&buf);
+        };
+        let inner = std::mem::size_of_val(&make());
+        let wrapped = std::mem::size_of_val(&contained(make, |_| {}));
+        assert!(inner >= 4096, "{inner}");
+        assert!(wrapped < inner + 256, "inner {inner}, wrapped {wrapped}");
     }
 
     #[test]

@@ -380,8 +380,9 @@ fn serve(
 ) {
     let _ = stream.set_nodelay(true);
     let (cx, index) = (ctx.clone(), ctx.index);
+    let c = ctx.clone();
     monoio::spawn(contain::contained(
-        crate::pipeline::serve_client(ctx.clone(), stream, addr, kind),
+        move || crate::pipeline::serve_client(c, stream, addr, kind),
         move |panic| {
             cx.shared.per_worker[index]
                 .panics
