@@ -810,16 +810,10 @@ async fn proxy(
                     head_at: ex.head_at,
                     event_stream,
                 };
-                // The usage-frame filter reads the usage as the events pass: no tail then.
-                let no_tail = filters.reads_usage();
                 let mut stats = RelayStats {
                     capture: bodylog_capture(ctx, route, &p.body, inserted_at),
-                    tail: if no_tail {
-                        relay::Tail::default()
-                    } else {
-                        ctx.take_tail()
-                    },
-                    no_tail,
+                    // The usage-frame filter reads the usage as the events pass: no tail then.
+                    tail: (!filters.reads_usage()).then(|| ctx.take_tail()),
                     ..RelayStats::default()
                 };
                 // Nothing is retried once a response is relayed: a long stream should not
@@ -869,10 +863,11 @@ async fn proxy(
                 if (200..300).contains(&ex.head.status) {
                     // On a 2xx, an SSE body (`postprocess::mode_for`) is exactly an event stream.
                     let sse = event_stream;
+                    let tail = stats.tail.as_ref().map_or(&[][..], relay::Tail::bytes);
                     stats.usage = match filters.seen_usage() {
                         Some(seen) => seen,
-                        None if sse => crate::transform::usage_from_sse(stats.tail.bytes()),
-                        None => crate::usage::usage_in_json_tail(stats.tail.bytes()),
+                        None if sse => crate::transform::usage_from_sse(tail),
+                        None => crate::usage::usage_in_json_tail(tail),
                     };
                     if let Some(u) = stats.usage {
                         account_usage(seg, route, routed.peer, &u);
@@ -948,7 +943,9 @@ async fn proxy(
                     };
                     bodylog_send(ctx, seg, capture, &entry);
                 }
-                ctx.put_tail(std::mem::take(&mut stats.tail));
+                if let Some(t) = stats.tail.take() {
+                    ctx.put_tail(t);
+                }
                 let phase = Phase::Relayed {
                     status: ex.head.status,
                     keep,

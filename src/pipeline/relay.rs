@@ -35,11 +35,9 @@ pub struct RelayStats {
     pub body_bytes: u64,
     /// First non-empty body bytes, for TTFT.
     pub first_body_at: Option<Instant>,
-    /// The last bytes of the (de-chunked) body, where the usage arrives. Not kept when the
-    /// usage-frame filter reads the usage as the events pass (`FilterChain::seen_usage`).
-    pub tail: Tail,
-    /// The tail is not kept (see `tail`).
-    pub no_tail: bool,
+    /// The last bytes of the (de-chunked) body, where the usage arrives. `None`: not kept,
+    /// as the usage-frame filter reads the usage as the events pass (`FilterChain::seen_usage`).
+    pub tail: Option<Tail>,
     /// Tokens the response reported (filled by the caller from the usage-frame filter, or
     /// else from `tail`).
     pub usage: Option<crate::transform::Usage>,
@@ -52,8 +50,8 @@ pub struct RelayStats {
 impl RelayStats {
     /// Record decoded body bytes as they pass.
     fn body(&mut self, d: &[u8]) {
-        if !self.no_tail {
-            self.tail.push(d);
+        if let Some(t) = self.tail.as_mut() {
+            t.push(d);
         }
         if let Some(c) = self.capture.as_mut() {
             c.push_response(d);
