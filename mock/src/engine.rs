@@ -324,6 +324,51 @@ impl Drop for ActiveGuard<'_> {
     }
 }
 
+/// A request's place in the admission queue (`busy_429 = false`). Waiting requests are served
+/// first come, first served, as an engine's scheduler does (vLLM's default policy is `fcfs`):
+/// a slot that frees goes to the oldest waiter, never to a newcomer or a waiter that happened
+/// to poll first. Leaves the queue when dropped (served, or its client gone).
+struct Ticket<'a> {
+    shared: &'a Shared,
+    id: u64,
+}
+
+impl<'a> Ticket<'a> {
+    /// A slot, if this ticket is the oldest in the queue and one is free.
+    fn take(&self, max: u32) -> Option<ActiveGuard<'a>> {
+        let mut q = self.shared.queue();
+        if q.front() != Some(&self.id) {
+            return None;
+        }
+        let g = try_acquire(self.shared, max)?;
+        q.pop_front();
+        Some(g)
+    }
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        let mut q = self.shared.queue();
+        if let Some(at) = q.iter().position(|&t| t == self.id) {
+            q.remove(at);
+        }
+    }
+}
+
+/// A slot at once when nobody is waiting and one is free; otherwise a place at the back of
+/// the queue.
+fn admit_or_queue(shared: &Shared, max: u32) -> Result<ActiveGuard<'_>, Ticket<'_>> {
+    let mut q = shared.queue();
+    if q.is_empty() {
+        if let Some(g) = try_acquire(shared, max) {
+            return Ok(g);
+        }
+    }
+    let id = shared.ticket();
+    q.push_back(id);
+    Err(Ticket { shared, id })
+}
+
 /// Take a slot if below `max` (0 = unlimited).
 fn try_acquire(shared: &Shared, max: u32) -> Option<ActiveGuard<'_>> {
     let active = &shared.stats.active;
@@ -368,7 +413,7 @@ async fn completion(
 ) -> bool {
     let shared = ctx.shared;
     let cfg = ctx.cfg;
-    let t0 = Instant::now();
+    let arrived = Instant::now();
     bump(&shared.stats.requests, 1);
     let hang = Duration::from_millis(ov.hang_ms.unwrap_or(cfg.hang_ms)).min(MAX_WAIT);
     let mut watch = Watch::new(rd, shared);
@@ -380,7 +425,7 @@ async fn completion(
         None => cfg.fail_status,
     };
     if let Some(st) = fail {
-        if watch.sleep_until(t0 + hang, pending, "prefill").await {
+        if watch.sleep_until(arrived + hang, pending, "prefill").await {
             return false;
         }
         let alive = watch.finish(pending).await;
@@ -402,27 +447,35 @@ async fn completion(
     };
 
     // Admission.
-    let slot = match try_acquire(shared, cfg.max_concurrency) {
-        Some(g) => g,
-        None if cfg.busy_429 => {
+    let first = if cfg.busy_429 {
+        try_acquire(shared, cfg.max_concurrency).ok_or(None)
+    } else {
+        admit_or_queue(shared, cfg.max_concurrency).map_err(Some)
+    };
+    let slot = match first {
+        Ok(g) => g,
+        Err(None) => {
             bump(&shared.stats.rejected_busy, 1);
             shared.event(MockEvent::RejectedBusy { at: Instant::now() });
             let alive = watch.finish(pending).await;
             let msg = format!("busy: {} requests active", cfg.max_concurrency);
             return ctx.error(wr, 429, "busy", &msg).await && alive;
         }
-        None => loop {
+        Err(Some(ticket)) => loop {
             if watch
                 .sleep_until(Instant::now() + QUEUE_POLL, pending, "queue")
                 .await
             {
-                return false;
+                return false; // the ticket leaves the queue on drop
             }
-            if let Some(g) = try_acquire(shared, cfg.max_concurrency) {
+            if let Some(g) = ticket.take(cfg.max_concurrency) {
                 break g;
             }
         },
     };
+    // Service (hang, prefill, decode) starts when the request has its slot: a queued
+    // request's wait comes before its prefill, as on an engine, not in parallel with it.
+    let t0 = Instant::now();
 
     // Prompt, prefix cache, timing.
     let model = req

@@ -60,7 +60,8 @@ pub struct MockConfig {
     pub block_tokens: u32,
     /// Active completion requests allowed at once (0 = unlimited).
     pub max_concurrency: u32,
-    /// Above `max_concurrency`: true = answer 429, false = queue until a slot frees.
+    /// Above `max_concurrency`: true = answer 429, false = queue until a slot frees (first
+    /// come, first served; the hang, prefill and decode start once the slot is taken).
     pub busy_429: bool,
     /// Answer every completion request with this status and an OpenAI-shaped error body.
     pub fail_status: Option<u16>,
@@ -233,6 +234,9 @@ pub(crate) struct Shared {
     pub started: Instant,
     pub stop: AtomicBool,
     pub seq: AtomicU64,
+    /// Requests waiting for a concurrency slot (`busy_429 = false`), by ticket, oldest first.
+    queue: Mutex<VecDeque<u64>>,
+    tickets: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -259,6 +263,14 @@ impl Shared {
     pub fn cache(&self) -> MutexGuard<'_, cache::PrefixCache> {
         lock(&self.cache)
     }
+
+    pub fn queue(&self) -> MutexGuard<'_, VecDeque<u64>> {
+        lock(&self.queue)
+    }
+
+    pub fn ticket(&self) -> u64 {
+        self.tickets.fetch_add(1, Ordering::Relaxed)
+    }
 }
 
 /// A running mock instance. Dropping it shuts it down.
@@ -281,6 +293,8 @@ impl MockServer {
             started: Instant::now(),
             stop: AtomicBool::new(false),
             seq: AtomicU64::new(0),
+            queue: Mutex::new(VecDeque::new()),
+            tickets: AtomicU64::new(0),
         });
         let mut server = MockServer {
             addr,

@@ -21,7 +21,8 @@ options:
   --cache-tokens N         prefix cache capacity in tokens, 0 = off (default 1000000)
   --block-tokens N         prefix cache block size (default 16)
   --max-concurrency N      active completion requests allowed, 0 = unlimited (default 0)
-  --queue-when-busy        above --max-concurrency, queue instead of answering 429
+  --queue-when-busy        above --max-concurrency, queue (first come, first served; the
+                           prefill starts once a slot is free) instead of answering 429
   --fail-status N          answer every completion request with status N
   --health-status N        answer /health with status N
   --hang-ms N              silent wait before the first response byte (default 0)

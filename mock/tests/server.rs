@@ -479,6 +479,60 @@ fn busy_429_then_queue() {
 }
 
 #[test]
+fn queued_requests_are_served_first_come_first_served() {
+    let m = start(MockConfig {
+        max_concurrency: 1,
+        busy_429: false,
+        ..fast_cfg()
+    });
+    let addr = m.addr();
+    let send = |name: &'static str, ttft_ms: &'static str| {
+        std::thread::spawn(move || {
+            let r = post(
+                addr,
+                "/v1/chat/completions",
+                &chat(name, serde_json::json!({"max_tokens": 1})),
+                &[("x-mock-ttft-ms", ttft_ms)],
+            );
+            (r.status, Instant::now())
+        })
+    };
+    // One request holds the only slot while the others queue up behind it, in order.
+    let holder = send("holder", "300");
+    assert!(wait_for(Duration::from_secs(5), || (m.stats().active == 1)
+        .then_some(()))
+    .is_some());
+    let mut waiters = Vec::new();
+    for name in ["w0", "w1", "w2", "w3", "w4", "w5"] {
+        waiters.push(send(name, "20"));
+        std::thread::sleep(Duration::from_millis(15));
+    }
+    let (status, held_until) = holder.join().unwrap();
+    assert_eq!(status, 200);
+    let done: Vec<Instant> = waiters
+        .into_iter()
+        .map(|h| {
+            let (status, at) = h.join().unwrap();
+            assert_eq!(status, 200);
+            at
+        })
+        .collect();
+    // A queued request's prefill starts when it gets the slot, not while it waits.
+    let first = done[0] - held_until;
+    assert!(first >= Duration::from_millis(20), "{first:?}");
+    // Control: they did wait for one another (one slot), so the order is the queue's.
+    let span = *done.last().unwrap() - done[0];
+    assert!(span >= Duration::from_millis(80), "{span:?}");
+    assert!(
+        done.windows(2).all(|w| w[0] < w[1]),
+        "served out of arrival order: {:?}",
+        done.iter().map(|d| *d - done[0]).collect::<Vec<_>>()
+    );
+    let s = m.stats();
+    assert_eq!((s.max_active, s.active, s.rejected_busy), (1, 0, 0));
+}
+
+#[test]
 fn fail_status_and_status_override() {
     let m = start(fast_cfg());
     let body = chat("x", serde_json::json!({"stream": true}));
