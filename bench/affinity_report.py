@@ -74,7 +74,9 @@ def render_md(args, data):
         f"over a warm one); each engine's LRU block cache holds {args.cache_tokens} tokens "
         f"(a conversation reaches {cfg.get('system_tokens', 0) + cfg.get('turns', 0) * (cfg.get('turn_tokens', 0) + cfg.get('max_tokens', 0)) - cfg.get('max_tokens', 0)} tokens), "
         f"so the larger loads' live sessions overflow one engine but fit the 8 together. "
-        f"Engines queue above their concurrency (first come, first served; a queued request's prefill starts when it gets a slot); fresh engines (empty caches) for every run.")
+        f"Engines queue above their concurrency (first come, first served; a queued "
+        f"request's prefill starts when it gets a slot); fresh engines (empty caches) "
+        f"for every run.")
     add(f"- **Replay** (`warmroute-bench replay`, bench/src/main.rs): per run, "
         f"4 × concurrency sessions (at least 32) × {cfg.get('turns')} turns; turn prompt = "
         f"a per-session system prompt of {cfg.get('system_tokens')} words + all previous user "
