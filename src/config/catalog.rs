@@ -146,7 +146,7 @@ pub static ROUTE_OPTS: &[OptSpec] = &[
     opt("affinity_hash", "Affinity hash", "routing", K::Enum(AFFINITY_HASHES), D::Str("crc32_mod"),
         "How a session id picks a peer: crc32 modulo the tier size; rendezvous hashing (moves fewer sessions when peers change); or `sticky_table`: a session's first request goes to the least loaded peer and a table shared by all workers keeps the session there (no two busy sessions pile onto one peer by hash chance; a session whose peer is banned or removed is placed again; the table holds 65,536 sessions and forgets the least recently used)."),
     opt("affinity_overflow", "When a pinned peer overflows", "routing", K::Enum(AFFINITY_OVERFLOWS), D::Str("at_max"),
-        "When a session's peer is busy: `at_max` moves the request to the least loaded peer once the pinned peer reaches its max_concurrency; `bounded_load` keeps it on its peer (max_concurrency is then a soft weight) unless that peer is also loaded above 1.5 times the tier's average, which avoids re-prefilling warm sessions elsewhere when the whole pool is saturated."),
+        "When a session's peer is busy: `at_max` moves the request to the least loaded peer once the pinned peer reaches its max_concurrency; `bounded_load` keeps it on its peer (max_concurrency is then a soft weight) unless that peer is also loaded above twice the tier's average or 1.5 times its own max_concurrency, which avoids re-prefilling warm sessions elsewhere when the whole pool is saturated."),
     opt("cross_tier_fallback", "Retry on lower tiers", "routing", K::Bool, D::Bool(false),
         "Let retries also try the least loaded peer of each lower-priority tier."),
     opt("max_more_tries", "Extra attempts", "routing", int(0, 32), D::Int(2),

@@ -187,8 +187,9 @@ pub enum Overflow {
     /// Full at its max_concurrency (SPEC §3.5).
     AtMax,
     /// Full only when also loaded more than `BOUNDED_LOAD_FACTOR` × the tier's average
-    /// (consistent hashing with bounded loads): a uniformly saturated pool keeps sessions
-    /// on their peers instead of re-prefilling them elsewhere.
+    /// (consistent hashing with bounded loads) or `BOUNDED_LOAD_CAP` × its own
+    /// max_concurrency: a uniformly saturated pool keeps sessions on their peers instead of
+    /// re-prefilling them elsewhere.
     BoundedLoad,
 }
 
@@ -203,14 +204,20 @@ impl Overflow {
 }
 
 /// How far above the tier's average load a pinned peer may go under `BoundedLoad`.
-/// Above its `max_concurrency` a peer queues the request, and a conversation that waits on
-/// an engine holding more live conversations than its prefix cache fits comes back to an
-/// evicted prefix; spilling re-prefills on a cold peer instead. The replay bench
-/// (`bench/run affinity`, 8 engines taking 48 at once, seeds 1–3) measured crc32's hit rate
-/// at 95.7 / 94.7 / 93.1% of the ideal (48 / 64 / 96 in flight) with 1.25, 96.7 / 96.2 /
-/// 95.1% with 1.5 and 93.5 / 93.7 / 91.4% with 2.0; `sticky_table`'s at 96 in flight 96.9,
-/// 97.4 and 95.8%.
-pub const BOUNDED_LOAD_FACTOR: f64 = 1.5;
+pub const BOUNDED_LOAD_FACTOR: f64 = 2.0;
+
+/// The most a pinned peer may carry under `BoundedLoad`, as a multiple of its
+/// `max_concurrency`, however busy the tier: what is above `max_concurrency` waits in the
+/// engine's queue.
+///
+/// Below the tier's capacity a short queue on the session's engine beats re-prefilling the
+/// conversation on a cold one. At capacity every engine is full, and an engine that queues
+/// more live conversations than its prefix cache holds evicts the waiting ones. The replay
+/// bench (`bench/run affinity`, 8 engines taking 48 at once, seeds 1–3) measured crc32's
+/// hit rate, as % of the ideal at 32 / 48 / 64 / 96 in flight (seed means), at 98.7 / 93.5 /
+/// 93.7 / 91.4 with twice the share and no cap, 97.5 / 96.7 / 96.2 / 95.1 with 1.5 times
+/// the share and no cap, and 98.7 / 96.9 / 96.3 / 93.9 with twice the share and this cap.
+pub const BOUNDED_LOAD_CAP: f64 = 1.5;
 
 /// Whether the session's peer `t` takes the request.
 fn takes(loads: &[Load], t: usize, overflow: Overflow) -> bool {
@@ -231,9 +238,11 @@ fn takes(loads: &[Load], t: usize, overflow: Overflow) -> bool {
                 (i + l.inflight.max(0), c + l.max_concurrency as u64)
             });
             // Its share of the tier's load (this request included), allowed up to
-            // BOUNDED_LOAD_FACTOR times its share of the capacity.
-            let allowed = BOUNDED_LOAD_FACTOR * p.max_concurrency as f64 * (inflight + 1) as f64
-                / cap.max(1) as f64;
+            // BOUNDED_LOAD_FACTOR times its share of the capacity and never more than
+            // BOUNDED_LOAD_CAP times its own.
+            let max = p.max_concurrency as f64;
+            let allowed = (BOUNDED_LOAD_FACTOR * max * (inflight + 1) as f64 / cap.max(1) as f64)
+                .min(BOUNDED_LOAD_CAP * max);
             (p.inflight + 1) as f64 <= allowed.ceil()
         }
     }
@@ -499,8 +508,8 @@ mod tests {
     }
 
     #[test]
-    fn bounded_load_lets_a_peer_reach_one_and_a_half_times_its_share() {
-        // 8 peers of max_concurrency 10, all at their max; the session's peer carries more.
+    fn bounded_load_allows_twice_the_share_up_to_one_and_a_half_times_the_max() {
+        // 8 peers of max_concurrency 10.
         let mut loads = pool(8);
         let sid = b"x";
         let t = natural_target(&loads, sid, Affinity::Crc32Mod, None).unwrap();
@@ -514,14 +523,22 @@ mod tests {
                 1,
             )
         };
+        // Below capacity (the others at 5), twice the share: with this request its 12th,
+        // 12 <= ceil(2 x 10 x 47 / 80) = 12, it stays; its 13th (48 / 80 -> 12) spills.
+        for l in &mut loads {
+            l.inflight = 5;
+        }
+        loads[t].inflight = 11;
+        assert_eq!(pick(&loads), PeerChoice::Hash(t));
+        loads[t].inflight = 12;
+        assert!(matches!(pick(&loads), PeerChoice::HashFallback(i) if i != t));
+        // At capacity (the others at their max) twice the share would be 24; the cap is 15.
         for l in &mut loads {
             l.inflight = 10;
         }
-        // With this request its 17th: 17 <= ceil(1.5 x 10 x 87 / 80) = 17, it stays.
-        loads[t].inflight = 16;
+        loads[t].inflight = 14;
         assert_eq!(pick(&loads), PeerChoice::Hash(t));
-        // Its 18th: ceil(1.5 x 10 x 88 / 80) = 17, so it spills.
-        loads[t].inflight = 17;
+        loads[t].inflight = 15;
         assert!(matches!(pick(&loads), PeerChoice::HashFallback(i) if i != t));
     }
 
