@@ -532,7 +532,7 @@ mod tests {
         assert_eq!(pick(&loads), PeerChoice::Hash(t));
         loads[t].inflight = 12;
         assert!(matches!(pick(&loads), PeerChoice::HashFallback(i) if i != t));
-        // At capacity (the others at their max) twice the share would be 24; the cap is 15.
+        // At capacity (the others at their max) twice the share would allow 22; the cap is 15.
         for l in &mut loads {
             l.inflight = 10;
         }
