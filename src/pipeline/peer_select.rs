@@ -513,33 +513,34 @@ mod tests {
         let mut loads = pool(8);
         let sid = b"x";
         let t = natural_target(&loads, sid, Affinity::Crc32Mod, None).unwrap();
-        let pick = |loads: &[Load]| {
-            select(
-                loads,
-                Some(sid),
-                Affinity::Crc32Mod,
-                Overflow::BoundedLoad,
-                None,
-                1,
-            )
+        // With the others at `others`, the session's peer takes its `last`th request and
+        // spills the one after.
+        let mut edge = |others: i64, last: i64| {
+            for l in &mut loads {
+                l.inflight = others;
+            }
+            let mut pick = |inflight: i64| {
+                loads[t].inflight = inflight;
+                select(
+                    &loads,
+                    Some(sid),
+                    Affinity::Crc32Mod,
+                    Overflow::BoundedLoad,
+                    None,
+                    1,
+                )
+            };
+            assert_eq!(pick(last - 1), PeerChoice::Hash(t), "others at {others}");
+            assert!(
+                matches!(pick(last), PeerChoice::HashFallback(i) if i != t),
+                "others at {others}"
+            );
         };
-        // Below capacity (the others at 5), twice the share: with this request its 12th,
-        // 12 <= ceil(2 x 10 x 47 / 80) = 12, it stays; its 13th (48 / 80 -> 12) spills.
-        for l in &mut loads {
-            l.inflight = 5;
-        }
-        loads[t].inflight = 11;
-        assert_eq!(pick(&loads), PeerChoice::Hash(t));
-        loads[t].inflight = 12;
-        assert!(matches!(pick(&loads), PeerChoice::HashFallback(i) if i != t));
-        // At capacity (the others at their max) twice the share would allow 22; the cap is 15.
-        for l in &mut loads {
-            l.inflight = 10;
-        }
-        loads[t].inflight = 14;
-        assert_eq!(pick(&loads), PeerChoice::Hash(t));
-        loads[t].inflight = 15;
-        assert!(matches!(pick(&loads), PeerChoice::HashFallback(i) if i != t));
+        // Below capacity, twice the share: its 12th request, 12 <= ceil(2 x 10 x 47 / 80)
+        // = 12, stays; its 13th (48 / 80 -> 12) spills.
+        edge(5, 12);
+        // At capacity twice the share would allow 22; the cap is 15.
+        edge(10, 15);
     }
 
     #[test]
