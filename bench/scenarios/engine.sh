@@ -323,7 +323,7 @@ scenario_engine() {
   local json_out=$OUT_DIR/$scenario-$ts.json
   python3 "$BENCH_DIR/engine_report.py" --work "$WORK" --out "$json_out" \
     --results-md "$RESULTS_MD" --timestamp "$ts" --git "$(git_rev)" \
-    --chart "${ENG_CHART-$BENCH_DIR/engine.png}" --parties "$ENG_PARTIES" --engines "$ENG_ENGINES" \
+    --chart "${ENG_CHART-$CHART_DIR/engine.png}" --parties "$ENG_PARTIES" --engines "$ENG_ENGINES" \
     --sessions "$sessions" --rounds "$ENG_ROUNDS" --wr-max-conc "$ENG_WR_MAX_CONC" --ctx "$ENG_CTX" \
     --threads "$ENG_THREADS" --cache-ram "${ENG_CACHE_RAM:-default}" --pin "$ENG_PIN" \
     --build-seconds "$(cat "$ENG_CACHE_DIR/build-seconds" 2>/dev/null || echo unknown)" \

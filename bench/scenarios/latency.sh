@@ -130,7 +130,7 @@ scenario_latency() {
   local json_out=$OUT_DIR/latency-$ts.json
   python3 "$BENCH_DIR/latency_report.py" --work "$WORK" --out "$json_out" \
     --results-md "$RESULTS_MD" --timestamp "$ts" --git "$(git_rev)" \
-    --chart "$BENCH_DIR/latency.png" --command "bench/run latency" \
+    --chart "$CHART_DIR/latency.png" --command "bench/run latency" \
     --rounds "$LAT_ROUNDS" --duration "$LAT_DURATION" --proxy-cpu "$PROXY_CPU" --load-cpu "$LOAD_CPU" \
     --busy-poll-us "$LAT_BUSY_POLL_US"
   log "results: $json_out"

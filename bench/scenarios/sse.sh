@@ -314,7 +314,7 @@ scenario_sse() {
   local json_out=$OUT_DIR/$scenario-$ts.json
   python3 "$BENCH_DIR/sse_report.py" --work "$WORK" --out "$json_out" \
     --results-md "$RESULTS_MD" --timestamp "$ts" --git "$(git_rev)" \
-    --chart "$BENCH_DIR/sse.png" --command "bench/run sse" \
+    --chart "$CHART_DIR/sse.png" --command "bench/run sse" \
     --mock "--workers $SSE_MOCK_WORKERS --ttft-base-ms $SSE_TTFT_MS --ttft-per-token-us 0 --decode-tps $SSE_DECODE_TPS --max-tokens $SSE_MAX_TOKENS --cache-tokens 0" \
     --settle-s "$SSE_SETTLE_S" --window-s "$SSE_WINDOW_S" --ramp-ms "$SSE_RAMP_MS"
   log "results: $json_out"
