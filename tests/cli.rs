@@ -542,6 +542,55 @@ fn the_access_log_reaches_stderr_when_stderr_is_a_socket() {
 }
 
 #[test]
+fn access_lines_survive_in_a_stderr_file_opened_without_append() {
+    // `warmroute serve > log 2>&1`: the shell opens the file without O_APPEND. The access
+    // lines and the router's own log must share the file's offset, or the next log line
+    // (here the drain's) is written over the access lines.
+    let d = temp_dir("fileerr");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let log = d.0.join("stderr.log");
+    let mut p = start_serve_spawning(&d.0, "", |cfg| {
+        let f = std::fs::File::create(&log).unwrap();
+        spawn_serve_to(cfg, &["--access-log", "stderr"], f.into())
+    });
+    let text = || std::fs::read_to_string(&log).unwrap_or_default();
+    let access_lines = || {
+        text()
+            .lines()
+            .filter(|l| l.starts_with('{'))
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["route"] == "a")
+            .count()
+    };
+    for session in ["conv-1", "conv-2"] {
+        let body = format!(
+            r#"{{"model":"mock-model","max_tokens":4,"metadata":{{"session_id":"{session}"}},"messages":[{{"role":"user","content":"hi"}}]}}"#
+        );
+        let r = request(p.public, &post_json("/a/v1/chat/completions", &body, ""));
+        assert_eq!(r.status, 200);
+    }
+    eventually(
+        Duration::from_secs(5),
+        "both access lines in the file",
+        || access_lines() == 2,
+    );
+    // Control: the router writes its own lines after the access lines.
+    p.signal("TERM");
+    p.wait_exit(Duration::from_secs(10))
+        .expect("drained and exited");
+    let all = text();
+    assert!(all.contains("worker stopped"), "{all}");
+    assert_eq!(access_lines(), 2, "access lines overwritten:\n{all}");
+    for line in all.lines() {
+        assert!(
+            line.starts_with('{') || line.contains("warmroute"),
+            "a line pieced together from two writers: {line:?}"
+        );
+    }
+}
+
+#[test]
 fn a_stderr_pipe_nobody_reads_does_not_stall_the_router() {
     // A log shipper that stops reading: the pipe fills (64 KiB, about 200 access lines) and
     // the workers keep serving, holding the lines until the reader is back.

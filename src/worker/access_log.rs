@@ -122,15 +122,26 @@ impl AccessLog {
     }
 }
 
-/// The process's stderr as a file of its own. Reopening `/proc/self/fd/2` with `O_APPEND`
-/// is safe when stderr is a file, a pipe or a terminal; a socket (systemd's journal, some
-/// container runtimes) cannot be reopened that way, so it is duplicated instead.
+/// The process's stderr for the access log.
 ///
-/// Reopened, the output is non-blocking without changing the process's own stderr (a pipe
-/// reopened this way is a new open file of the same pipe), so a reader that stops reading
-/// fills the buffer instead of stalling the worker. The duplicated socket stays blocking:
-/// making it non-blocking would change stderr for the rest of the process too.
+/// - A regular file is duplicated: the access lines and the router's own log then share
+///   one file offset. A reopened file would have an offset of its own, and unless the
+///   shell opened it with `O_APPEND` (`>>`), the router's next log line would be written
+///   over the access lines appended after it (`warmroute serve > log 2>&1`). A write to a
+///   regular file does not wait on a reader, so blocking is harmless.
+/// - A pipe or a terminal is reopened through `/proc/self/fd/2`, non-blocking, without
+///   changing the process's own stderr (a pipe reopened this way is a new open file of the
+///   same pipe), so a reader that stops reading fills the buffer instead of stalling the
+///   worker.
+/// - A socket (systemd's journal, some container runtimes) cannot be reopened that way, so
+///   it is duplicated. It stays blocking: making it non-blocking would change stderr for
+///   the rest of the process too.
 fn open_stderr() -> Option<File> {
+    if let Ok(f) = dup_stderr() {
+        if f.metadata().is_ok_and(|m| m.is_file()) {
+            return Some(f);
+        }
+    }
     std::fs::OpenOptions::new()
         .append(true)
         .custom_flags(libc::O_NONBLOCK)
