@@ -104,8 +104,10 @@ fn parse_args() -> Result<Args, String> {
 fn init_logging(json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("WARMROUTE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colours only for a person at a terminal, not into a file, a pipe or the journal.
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     if json {
         b.json().init();

@@ -542,7 +542,7 @@ fn the_access_log_reaches_stderr_when_stderr_is_a_socket() {
 }
 
 #[test]
-fn access_lines_survive_in_a_stderr_file_opened_without_append() {
+fn access_lines_survive_in_a_stderr_file_opened_without_append_and_carry_no_colours() {
     // `warmroute serve > log 2>&1`: the shell opens the file without O_APPEND. The access
     // lines and the router's own log must share the file's offset, or the next log line
     // (here the drain's) is written over the access lines.
@@ -582,6 +582,8 @@ fn access_lines_survive_in_a_stderr_file_opened_without_append() {
     let all = text();
     assert!(all.contains("worker stopped"), "{all}");
     assert_eq!(access_lines(), 2, "access lines overwritten:\n{all}");
+    // A file is not a terminal: no colour codes in the router's lines.
+    assert!(!all.contains('\x1b'), "colour codes in a file:\n{all}");
     for line in all.lines() {
         assert!(
             line.starts_with('{') || line.contains("warmroute"),
