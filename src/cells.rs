@@ -35,6 +35,10 @@ pub mod peer {
     pub const TTFT_EWMA_AT_S: usize = 13;
     pub const TPS_EWMA_BITS: usize = 14;
     pub const TPS_EWMA_AT_S: usize = 15;
+    /// Responses from this peer that did not reach their end (every worker): the client
+    /// went away mid-body, or the peer closed, went idle or broke its framing mid-body.
+    pub const CUT_BY_CLIENT: usize = 16;
+    pub const CUT_BY_PEER: usize = 17;
 }
 
 /// Per-route cells.

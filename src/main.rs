@@ -108,7 +108,9 @@ fn init_logging(json: bool) {
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
+        // Never waits on a full stderr pipe: a worker that logs while nobody reads drops
+        // the line and counts it (`warmroute_log_dropped_total`).
+        .with_writer(warmroute::worker::stderr::LogStderr::open());
     if json {
         b.json().init();
     } else {

@@ -5,7 +5,8 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -646,6 +647,73 @@ fn a_stderr_pipe_nobody_reads_does_not_stall_the_router() {
     assert!(access
         .iter()
         .all(|e| e["status"] == 200 && e["route"] == "a"));
+}
+
+#[test]
+fn a_worker_that_logs_into_a_full_stderr_pipe_drops_the_line_and_keeps_serving() {
+    // The router's own log shares stderr with the access log. While a pipe nobody reads is
+    // full, a worker logging a warning must not wait for the reader.
+    let d = temp_dir("fullerr");
+    let live = mock("m0");
+    // Healthy at first (a probe finding it down would ban it before any request tried it).
+    let doomed = mock("m1");
+    std::fs::write(
+        d.0.join("routes/a.toml"),
+        route_for(&[doomed.addr(), live.addr()], ""),
+    )
+    .unwrap();
+    let (reader, writer) = std::io::pipe().unwrap();
+    let p = start_serve_spawning(&d.0, "", |cfg| {
+        spawn_serve_to(
+            cfg,
+            &["--access-log", "stderr", "--workers", "1"],
+            writer.try_clone().unwrap().into(),
+        )
+    });
+    // Fill the pipe to its last byte, as a reader that stopped long ago leaves it (the
+    // router's own writes may leave room at the end of a page that a short line fits in).
+    let mut fill = std::fs::OpenOptions::new()
+        .append(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(format!("/proc/self/fd/{}", writer.as_raw_fd()))
+        .unwrap();
+    drop(writer);
+    let mut filled = 0;
+    for chunk in [&[b'#'; 4096][..], b"#"] {
+        while let Ok(n) = fill.write(chunk) {
+            filled += n;
+        }
+    }
+    assert!(filled > 0 && fill.write(b"#").is_err());
+    drop(doomed);
+    // Sessions that hash to the stopped peer make the worker log its connect failure and
+    // the ban.
+    let mut s = connect(p.public);
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut retried = 0;
+    for i in 0..20 {
+        s.write_all(&post_json(
+            "/a/v1/chat/completions",
+            &chat_body("x", false),
+            &format!("x-session-id: s{i}\r\n"),
+        ))
+        .unwrap();
+        let r = read_response(&mut BufReader::new(&mut s), false)
+            .unwrap_or_else(|e| panic!("session s{i}: the worker stalled: {e}"));
+        assert_eq!(r.status, 200, "session s{i}");
+        retried += usize::from(r.header("x-routed-retries") != Some("0"));
+    }
+    // The control: the stopped peer was tried (a warning was due) and the line dropped.
+    assert!(retried >= 1, "no session reached the stopped peer");
+    let m = request(p.admin, &get("/metrics")).text();
+    let dropped: u64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("warmroute_log_dropped_total "))
+        .expect("warmroute_log_dropped_total")
+        .parse()
+        .unwrap();
+    assert!(dropped >= 1, "{m}");
+    drop(reader);
 }
 
 #[test]

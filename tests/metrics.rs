@@ -204,6 +204,109 @@ fn metrics_follow_traffic_and_pass_promtool() {
     promtool_check(&text);
 }
 
+#[test]
+fn responses_cut_short_are_counted_by_who_cut_them_and_logged_with_their_end() {
+    let m = mock("m0");
+    let log = shm_path("cut-log");
+    let env = start_logging(
+        &[("r", route_for(&[m.addr()], ""))],
+        "",
+        warmroute::worker::AccessLogTarget::File(log.clone()),
+    );
+    let cut = |by: &str| {
+        let id = format!(
+            r#"warmroute_peer_responses_cut_total{{{},by="{by}"}}"#,
+            peer("r", "p0", m.addr())
+        );
+        val(&scrape(&env).1, &id)
+    };
+    // The control: a response that reaches its end counts nowhere.
+    let ok = request(
+        env.public(),
+        &post_json("/r/v1/chat/completions", &chat_body("a", false), ""),
+    );
+    assert_eq!(ok.status, 200);
+    assert_eq!((cut("client"), cut("peer")), (0.0, 0.0));
+
+    // The peer closes after 3 events of 50.
+    let mut s = connect(env.public());
+    s.write_all(&post_json(
+        "/r/v1/chat/completions",
+        &chat_body("b", true),
+        "x-mock-tokens: 50\r\nx-mock-close-after: 3\r\n",
+    ))
+    .unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut all = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut s, &mut all);
+    assert!(!String::from_utf8_lossy(&all).contains("[DONE]"));
+    eventually(Duration::from_secs(3), "the peer's cut counted", || {
+        cut("peer") == 1.0
+    });
+
+    // The client leaves after the first bytes of a long stream...
+    let mut s = connect(env.public());
+    s.write_all(&post_json(
+        "/r/v1/chat/completions",
+        &chat_body("c", true),
+        "x-mock-tokens: 1000\r\nx-mock-interval-ms: 20\r\n",
+    ))
+    .unwrap();
+    let mut first = [0u8; 64];
+    std::io::Read::read_exact(&mut s, &mut first).unwrap();
+    drop(s);
+    // ... and another while the peer is still silent (before the response head).
+    let mut s = connect(env.public());
+    s.write_all(&post_json(
+        "/r/v1/chat/completions",
+        &chat_body("d", true),
+        "x-mock-hang-ms: 5000\r\n",
+    ))
+    .unwrap();
+    eventually(
+        Duration::from_secs(5),
+        "the request reaches the mock",
+        || m.stats().active == 1,
+    );
+    drop(s);
+    eventually(Duration::from_secs(3), "both clients' cuts counted", || {
+        cut("client") == 2.0
+    });
+    assert_eq!(cut("peer"), 1.0);
+
+    // One access line per request, each saying how it ended.
+    let lines = || -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    eventually(Duration::from_secs(3), "four access lines", || {
+        lines().len() == 4
+    });
+    let mut ends: Vec<(String, u64)> = lines()
+        .iter()
+        .map(|l| {
+            (
+                l["end"].as_str().unwrap_or("(none)").to_string(),
+                l["status"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    ends.sort();
+    assert_eq!(
+        ends,
+        [
+            ("client_gone".to_string(), 200),
+            ("client_gone".to_string(), 499),
+            ("complete".to_string(), 200),
+            ("peer_cut".to_string(), 200),
+        ]
+    );
+    let _ = std::fs::remove_file(&log);
+}
+
 /// The workers' `warmroute_worker_cpu_seconds_total`, summed.
 fn worker_cpu(env: &Env) -> f64 {
     scrape(env)

@@ -67,6 +67,7 @@ const FAMILIES: &[Family] = &[
     worker_panics,
     config_generation,
     access_log_dropped,
+    log_dropped,
     route_requests,
     route_rejected,
     route_unavailable,
@@ -78,6 +79,7 @@ const FAMILIES: &[Family] = &[
     pool_inflight,
     peer_requests,
     peer_failures,
+    peer_responses_cut,
     peer_inflight,
     peer_max_concurrency,
     peer_banned,
@@ -510,6 +512,15 @@ fn access_log_dropped(x: &mut Exposition, s: &Sources) {
     );
 }
 
+fn log_dropped(x: &mut Exposition, _: &Sources) {
+    x.family(
+        "warmroute_log_dropped_total",
+        Kind::Counter,
+        "Lines of the router's own log dropped because stderr (a pipe or terminal nobody read) was full.",
+    )
+    .sample(&Labels::none(), crate::worker::stderr::log_lines_dropped());
+}
+
 // ---------------------------------------------------------------------------------------
 // Families: per route.
 
@@ -675,6 +686,22 @@ fn peer_failures(x: &mut Exposition, s: &Sources) {
         "Attempts to the peer that failed to connect or got 502/503.",
         |p| Some(s.peer_cell(p, cells::peer::FAILURES)),
     );
+}
+
+fn peer_responses_cut(x: &mut Exposition, s: &Sources) {
+    let mut f = x.family(
+        "warmroute_peer_responses_cut_total",
+        Kind::Counter,
+        "Responses from the peer that did not reach their end: by=\"client\", the client went away first (while the peer worked or mid-body); by=\"peer\", the peer closed, went idle or broke its framing mid-body.",
+    );
+    for p in &s.peers {
+        for (by, cell) in [
+            ("client", cells::peer::CUT_BY_CLIENT),
+            ("peer", cells::peer::CUT_BY_PEER),
+        ] {
+            f.sample_with(&p.labels, &[("by", by)], s.peer_cell(p.rt, cell));
+        }
+    }
 }
 
 fn peer_inflight(x: &mut Exposition, s: &Sources) {

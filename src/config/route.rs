@@ -1015,29 +1015,14 @@ pub(crate) fn parse_route(
 }
 
 fn unknown_key_message(key: &str) -> String {
-    let near = ROUTE_OPTS
+    let known = ROUTE_OPTS
         .iter()
         .map(|s| s.key)
-        .chain(["peers", "peers_by_model"])
-        .find(|k| edit_distance(k, key) <= 2);
-    match near {
+        .chain(["peers", "peers_by_model"]);
+    match value::near_key(key, known) {
         Some(k) => format!("unknown key (did you mean {k:?}?)"),
         None => "unknown key".to_string(),
     }
-}
-
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1];
-        for (j, cb) in b.iter().enumerate() {
-            let sub = prev[j] + usize::from(ca != *cb);
-            cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
-        }
-        prev = cur;
-    }
-    prev[b.len()]
 }
 
 const PEER_KEYS: &str = "host, port, name, priority, max_concurrency, probe, gpu";

@@ -124,6 +124,33 @@ impl BusyPoll {
     pub const AUTO_MAX_US: u64 = 200;
 }
 
+/// The server file's keys, for the message about one that is not among them.
+pub(crate) const SERVER_KEYS: [&str; 15] = [
+    "listen",
+    "admin_listen",
+    "workers",
+    "routes_dir",
+    "shm_path",
+    "api_keys_file",
+    "max_body_size_ceiling",
+    "drain_timeout_s",
+    "client_idle_timeout_ms",
+    "client_head_timeout_ms",
+    "upstream_idle_timeout_ms",
+    "upstream_idle_per_peer",
+    "busy_poll_us",
+    "defaults",
+    "bodylog",
+];
+
+/// A near miss gets its likely key; anything else gets the list (it is short).
+fn unknown_server_key(key: &str) -> String {
+    match value::near_key(key, SERVER_KEYS) {
+        Some(k) => format!("unknown key (did you mean {k:?}?)"),
+        None => format!("unknown key (expected one of: {})", SERVER_KEYS.join(", ")),
+    }
+}
+
 /// Result of reading the server table: the config and whether `routes_dir` was set.
 pub(crate) struct ParsedServer {
     pub config: ServerConfig,
@@ -244,7 +271,7 @@ pub(crate) fn parse_server(
                     }
                 }
             }
-            _ => d.error(k, "unknown key"),
+            _ => d.error(k, unknown_server_key(k)),
         }
     }
     if !shm_set {

@@ -345,6 +345,35 @@ models = ["extra"]
 }
 
 #[test]
+fn an_unknown_server_key_names_the_one_meant_or_lists_them() {
+    let e = strs(
+        Some("admin_listn = \"127.0.0.1:1\"\nlisten_port = 8080"),
+        &[("r", MIN_ROUTE)],
+    )
+    .unwrap_err();
+    let msg = |f: &str| e.iter().find(|e| e.field == f).unwrap().message.clone();
+    assert_eq!(e.len(), 2, "{e:#?}");
+    assert_eq!(
+        msg("admin_listn"),
+        "unknown key (did you mean \"admin_listen\"?)"
+    );
+    let list = msg("listen_port");
+    assert!(
+        list.starts_with("unknown key (expected one of: listen, admin_listen, workers,"),
+        "{list}"
+    );
+    // Every listed key is one the server file reads: a value of the wrong type for it is a
+    // type error, not an unknown key.
+    for k in super::server::SERVER_KEYS {
+        let e = strs(Some(&format!("{k} = [[1]]")), &[("r", MIN_ROUTE)]).unwrap_err();
+        assert!(
+            e.iter().all(|e| !e.message.starts_with("unknown key")),
+            "{k}: {e:#?}"
+        );
+    }
+}
+
+#[test]
 fn every_error_is_collected_at_once() {
     let route = r#"
 peers = [ { host = "127.0.0.1", port = 70000 } ]

@@ -343,6 +343,25 @@ pub(crate) fn join(parent: &str, key: &str) -> String {
     }
 }
 
+/// The known key a mistyped `key` most likely meant: the first within two edits.
+pub(crate) fn near_key<'k>(key: &str, known: impl IntoIterator<Item = &'k str>) -> Option<&'k str> {
+    known.into_iter().find(|k| edit_distance(k, key) <= 2)
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

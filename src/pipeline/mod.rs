@@ -322,6 +322,8 @@ enum Phase<'a> {
         keep: bool,
         stats: RelayStats,
         routed: Routed<'a>,
+        /// How the relay ended (`relay::END_*`).
+        end: &'static str,
     },
 }
 
@@ -709,6 +711,9 @@ async fn proxy(
                     break;
                 }
                 Err(ExchangeError::ClientGone) => {
+                    // Gone while the peer worked on it (a prefill the user stopped waiting for).
+                    seg.peer_cell(peer.slot, cells::peer::CUT_BY_CLIENT)
+                        .fetch_add(1, Relaxed);
                     outcome = fail(ProxyError::ClientGone);
                     break;
                 }
@@ -844,6 +849,7 @@ async fn proxy(
                 if let Some(b) = rbuf {
                     ctx.put_buf(b);
                 }
+                let end_name = end.name();
                 let keep = match end {
                     RelayEnd::Done { reusable } => {
                         if reusable && ex.head.reusable {
@@ -854,8 +860,14 @@ async fn proxy(
                         }
                         keep
                     }
-                    RelayEnd::ClientGone => false,
+                    RelayEnd::ClientGone => {
+                        seg.peer_cell(routed.peer.slot, cells::peer::CUT_BY_CLIENT)
+                            .fetch_add(1, Relaxed);
+                        false
+                    }
                     RelayEnd::UpstreamError(why) => {
+                        seg.peer_cell(routed.peer.slot, cells::peer::CUT_BY_PEER)
+                            .fetch_add(1, Relaxed);
                         tracing::warn!(route = route.name(), peer = %routed.peer.name, why, "response truncated");
                         false
                     }
@@ -951,6 +963,7 @@ async fn proxy(
                     keep,
                     stats,
                     routed,
+                    end: end_name,
                 };
                 (phase, watch.finish().await)
             }
@@ -959,17 +972,23 @@ async fn proxy(
     if let Some(b) = pipelined {
         conn.inbuf.extend_from_slice(&b);
     }
-    let (status, keep, stats, routed) = match phase {
+    let (status, keep, stats, routed, end) = match phase {
         Phase::Failed(e, routed) => {
             let keep = refuse(conn, &e, Some(route.name()), keep_client).await;
-            (e.status(), keep, RelayStats::default(), routed)
+            let end = if matches!(e, ProxyError::ClientGone) {
+                relay::END_CLIENT_GONE
+            } else {
+                relay::END_COMPLETE
+            };
+            (e.status(), keep, RelayStats::default(), routed, end)
         }
         Phase::Relayed {
             status,
             keep,
             stats,
             routed,
-        } => (status, keep, stats, Some(routed)),
+            end,
+        } => (status, keep, stats, Some(routed), end),
     };
     access_log(
         ctx,
@@ -983,6 +1002,7 @@ async fn proxy(
             owner: p.owner.as_deref(),
             req_bytes,
             stats: &stats,
+            end,
             body_read_at,
             started,
         },
@@ -1433,6 +1453,8 @@ struct AccessEntry<'a> {
     owner: Option<&'a str>,
     req_bytes: usize,
     stats: &'a RelayStats,
+    /// How the response ended (`relay::END_*`).
+    end: &'static str,
     body_read_at: Instant,
     started: Instant,
 }
@@ -1467,6 +1489,7 @@ fn access_log(ctx: &WorkerCtx, e: &AccessEntry<'_>) {
         l.opt_u64("cached_tokens", usage.and_then(|u| u.cached_tokens));
         l.opt_u64("completion_tokens", usage.and_then(|u| u.completion_tokens));
         l.thousandths("total_ms", e.started.elapsed().as_micros() as u64);
+        l.str("end", e.end);
         l.opt_str("owner", e.owner);
         l.u64("worker", ctx.index as u64);
     });

@@ -29,6 +29,23 @@ pub enum RelayEnd {
     UpstreamError(&'static str),
 }
 
+impl RelayEnd {
+    /// How the response ended, as the access log's `end` field says it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            RelayEnd::Done { .. } => END_COMPLETE,
+            RelayEnd::ClientGone => END_CLIENT_GONE,
+            RelayEnd::UpstreamError(_) => END_PEER_CUT,
+        }
+    }
+}
+
+/// The access log's `end` values: the response reached its end (the router's own error
+/// replies included), the client went away first, or the peer cut the body short.
+pub const END_COMPLETE: &str = "complete";
+pub const END_CLIENT_GONE: &str = "client_gone";
+pub const END_PEER_CUT: &str = "peer_cut";
+
 /// What the relay measured.
 #[derive(Debug, Default)]
 pub struct RelayStats {

@@ -4,10 +4,9 @@
 
 use std::fs::File;
 use std::io::{self, Write};
-use std::os::fd::AsFd;
-use std::os::unix::fs::OpenOptionsExt;
 use std::time::{Duration, Instant};
 
+use super::stderr::open_stderr;
 use super::AccessLogTarget;
 use crate::http::push_decimal;
 
@@ -122,34 +121,6 @@ impl AccessLog {
     }
 }
 
-/// The process's stderr for the access log.
-///
-/// - A regular file is duplicated: the access lines and the router's own log then share
-///   one file offset. A reopened file would have an offset of its own, and unless the
-///   shell opened it with `O_APPEND` (`>>`), the router's next log line would be written
-///   over the access lines appended after it (`warmroute serve > log 2>&1`). A write to a
-///   regular file does not wait on a reader, so blocking is harmless.
-/// - A pipe or a terminal is reopened through `/proc/self/fd/2`, non-blocking, without
-///   changing the process's own stderr (a pipe reopened this way is a new open file of the
-///   same pipe), so a reader that stops reading fills the buffer instead of stalling the
-///   worker.
-/// - A socket (systemd's journal, some container runtimes) cannot be reopened that way, so
-///   it is duplicated. It stays blocking: making it non-blocking would change stderr for
-///   the rest of the process too.
-fn open_stderr() -> Option<File> {
-    if let Ok(f) = dup_stderr() {
-        if f.metadata().is_ok_and(|m| m.is_file()) {
-            return Some(f);
-        }
-    }
-    std::fs::OpenOptions::new()
-        .append(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open("/proc/self/fd/2")
-        .or_else(|_| dup_stderr())
-        .ok()
-}
-
 /// How much of `buf` (whole lines) one write takes: everything when it fits `max`, else the
 /// lines that fit, else the first line alone (a line longer than `max` may then mix with
 /// another worker's, which only a path of kilobytes makes).
@@ -164,10 +135,6 @@ fn whole_lines(buf: &[u8], max: usize) -> usize {
             .position(|&c| c == b'\n')
             .map_or(buf.len(), |i| i + 1),
     }
-}
-
-fn dup_stderr() -> io::Result<File> {
-    Ok(File::from(io::stderr().as_fd().try_clone_to_owned()?))
 }
 
 /// One access-log line being written: a JSON object's members, in the order they are added.
@@ -282,7 +249,9 @@ fn json_string(buf: &mut Vec<u8>, s: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::worker::stderr::dup_stderr;
     use serde_json::{json, Value};
+    use std::os::unix::fs::OpenOptionsExt;
 
     fn log_to_buffer() -> AccessLog {
         // A real output that is never flushed to: the tests read the buffer.

@@ -13,6 +13,7 @@ mod ctx;
 mod listen;
 mod notify;
 pub mod quota;
+pub mod stderr;
 
 use std::io;
 use std::net::{SocketAddr, TcpListener};

@@ -80,6 +80,15 @@ impl Drop for Env {
 
 /// Start the router in-process with these routes and an optional extra server TOML.
 pub fn start(routes: &[(&str, String)], server_extra: &str) -> Env {
+    start_logging(routes, server_extra, AccessLogTarget::Off)
+}
+
+/// `start`, with the access log going to `access_log`.
+pub fn start_logging(
+    routes: &[(&str, String)],
+    server_extra: &str,
+    access_log: AccessLogTarget,
+) -> Env {
     let shm = shm_path("e2e");
     let server = format!("listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nshm_path = \"{}\"\n{server_extra}", shm.display());
     let source = ConfigSource::Embedded {
@@ -92,7 +101,7 @@ pub fn start(routes: &[(&str, String)], server_extra: &str) -> Env {
     let overrides = Overrides {
         workers: Some(2),
         no_pin: true,
-        access_log: Some(AccessLogTarget::Off),
+        access_log: Some(access_log),
         ..Overrides::default()
     };
     let router = Router::start(source, overrides).unwrap_or_else(|e| panic!("router starts: {e}"));
