@@ -882,6 +882,82 @@ fn takeover_replaces_a_running_router_without_failing_a_request() {
 }
 
 #[test]
+fn a_takeover_loses_no_request_of_busy_keep_alive_clients() {
+    // Clients that keep their connections and send the next request the moment the last
+    // answer arrives (wrk, a connection pool under load): the draining router must answer
+    // each request it reads and tell the client to reconnect, not close under it.
+    let d = temp_dir("takeover-ka");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let mut old = start_serve(&d.0);
+    let public = old.public;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let clients: Vec<_> = (0..8)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let (mut ok, mut told_to_close, mut lost) = (0u32, 0u32, Vec::new());
+                let mut conn: Option<std::net::TcpStream> = None;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let s = conn.get_or_insert_with(|| connect(public));
+                    let req = post_json("/a/v1/chat/completions", &chat_body("y", false), "");
+                    let r = s
+                        .write_all(&req)
+                        .and_then(|()| read_response(&mut BufReader::new(&mut *s), false));
+                    match r {
+                        Ok(r) if r.status == 200 => {
+                            ok += 1;
+                            if r.header("connection") == Some("close") {
+                                told_to_close += 1;
+                                conn = None;
+                            }
+                        }
+                        other => {
+                            lost.push(format!("{other:?}"));
+                            conn = None;
+                        }
+                    }
+                }
+                (ok, told_to_close, lost)
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let child = spawn_serve(&d.0.join("warmroute.toml"), &["--takeover"]);
+    let new = Proc {
+        child,
+        public,
+        admin: old.admin,
+        shm: old.shm.clone(),
+    };
+    let status = old
+        .wait_exit(Duration::from_secs(15))
+        .expect("the old router drains and exits");
+    assert!(status.success());
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (mut ok, mut told, mut lost) = (0, 0, Vec::new());
+    for c in clients {
+        let (o, t, l) = c.join().unwrap();
+        ok += o;
+        told += t;
+        lost.extend(l);
+    }
+    assert!(
+        lost.is_empty(),
+        "{} of {} requests lost: {:?}",
+        lost.len(),
+        ok as usize + lost.len(),
+        &lost[..lost.len().min(3)]
+    );
+    // The control: the old router's last answers told the clients to go (one per client
+    // connection it held), and traffic flowed on both sides of the handover.
+    assert!(told >= 8, "answers with Connection: close: {told}");
+    assert!(ok > 100, "{ok}");
+    assert_eq!(request(new.admin, &get("/readyz")).status, 200);
+}
+
+#[test]
 fn the_router_raises_its_soft_fd_limit_to_the_hard_one() {
     let (soft, hard) = warmroute_shm::nofile_limit().unwrap();
     // The router inherits a low soft limit (systemd's default is 1024), as a service would.

@@ -81,6 +81,38 @@ pub fn until<'a, F: Future + Unpin + 'a>(
     })
 }
 
+/// How long a draining worker still waits for the next request on a kept connection.
+pub const DRAIN_IDLE_GRACE: Duration = Duration::from_millis(500);
+
+/// `until`, with the deadline cut to `grace` from the moment `drain` fires.
+fn until_drain<'a, F: Future + Unpin + 'a>(
+    timer: &'a mut Timer,
+    mut deadline: Instant,
+    drain: &'a crate::worker::LocalNotify,
+    grace: Duration,
+    mut fut: F,
+) -> impl Future<Output = Result<F::Output, TimedOut>> + 'a {
+    let mut fired = Some(drain.wait());
+    std::future::poll_fn(move |cx| {
+        if let Poll::Ready(v) = Pin::new(&mut fut).poll(cx) {
+            return Poll::Ready(Ok(v));
+        }
+        if let Some(f) = fired.as_mut() {
+            if Pin::new(f).poll(cx).is_ready() {
+                fired = None;
+                deadline = deadline.min(Instant::now() + grace);
+            }
+        }
+        if timer.deadline() != deadline {
+            timer.as_mut().reset(deadline);
+        }
+        if timer.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(TimedOut));
+        }
+        Poll::Pending
+    })
+}
+
 /// Read more bytes into `inbuf`. Ok(0) = EOF.
 async fn fill(rd: &mut OwnedReadHalf<TcpStream>, inbuf: &mut Vec<u8>) -> std::io::Result<usize> {
     if inbuf.capacity() - inbuf.len() < 1024 {
@@ -110,7 +142,7 @@ impl ClientConn {
         &mut self,
         idle: Duration,
         head_timeout: Duration,
-        drain: Option<&crate::worker::LocalNotify>,
+        drain: Option<(&crate::worker::LocalNotify, Duration)>,
     ) -> HeadRead {
         let mut started = !self.inbuf.is_empty();
         let mut deadline = None;
@@ -136,14 +168,14 @@ impl ClientConn {
                     + idle
             };
             let fill = pin!(fill(&mut self.rd, &mut self.inbuf));
-            let read = until(&mut self.timer, wait, fill);
             let r = match drain {
-                // Between requests a draining worker closes idle connections at once.
-                Some(drain) if !started => match crate::util::race(read, drain.wait()).await {
-                    crate::util::Either::Left(r) => r,
-                    crate::util::Either::Right(()) => return HeadRead::Closed,
-                },
-                _ => read.await,
+                // Between requests, a drain cuts the wait to its grace: a request already on
+                // its way is read (by the same receive: nothing is lost to a cancelled one)
+                // and answered; an idle connection closes when the grace ends.
+                Some((drain, grace)) if !started => {
+                    until_drain(&mut self.timer, wait, drain, grace, fill).await
+                }
+                _ => until(&mut self.timer, wait, fill).await,
             };
             match r {
                 Err(_elapsed) if started => return HeadRead::Refuse(ProxyError::HeadTimeout),

@@ -110,22 +110,24 @@ pub async fn serve_client(ctx: Rc<WorkerCtx>, stream: TcpStream, addr: SocketAdd
                 Duration::from_millis(s.client_head_timeout_ms),
             )
         };
-        // A connection's first request is always awaited, even while draining (the client
-        // connected expecting an answer; a drain may have accepted it from the queue), but
-        // briefly; later idle waits end at once when the worker drains.
+        // While draining, a connection's next request is still awaited, briefly: a client
+        // connected (or kept its connection) expecting an answer, and a busy one sends its
+        // next request at once. Its answer says `Connection: close`. A first request gets
+        // longer (a drain may have accepted the connection from the queue).
         let first = served == 0;
         let draining = ctx.drain.is_fired();
-        let idle = if first && draining {
-            idle.min(DRAIN_FIRST_REQUEST_WAIT)
+        let grace = if first {
+            DRAIN_FIRST_REQUEST_WAIT
         } else {
-            idle
+            client::DRAIN_IDLE_GRACE
         };
+        let idle = if draining { idle.min(grace) } else { idle };
         served += 1;
         if conn.inbuf.capacity() == 0 {
             conn.inbuf = ctx.take_inbuf();
         }
         match conn
-            .read_head(idle, head_timeout, (!first).then_some(&ctx.drain))
+            .read_head(idle, head_timeout, Some((&ctx.drain, grace)))
             .await
         {
             HeadRead::Closed => {
@@ -149,10 +151,9 @@ pub async fn serve_client(ctx: Rc<WorkerCtx>, stream: TcpStream, addr: SocketAdd
                     conn.linger_close().await;
                     return;
                 }
-                if ctx.drain.is_fired() {
-                    ctx.put_inbuf(std::mem::take(&mut conn.inbuf));
-                    return;
-                }
+                // Kept although the worker drains: the answer went out before the drain
+                // began, so the client may be sending its next request already. The next
+                // wait (cut to `DRAIN_IDLE_GRACE`) answers it with `Connection: close`.
             }
         }
     }
@@ -348,7 +349,10 @@ async fn proxy(
     let started = Instant::now();
     // Every request, refused ones too: a flood of refusals keeps a worker busy as well.
     crate::worker::quota::settle(started);
-    let keep_client = head.keep_alive && !ctx.drain.is_fired();
+    // Asked when the answer is written, not when the request came: a request that started
+    // before a drain is answered with `Connection: close`, so the client reconnects (to the
+    // router taking over) instead of sending its next request into a closing socket.
+    let keep_client = || head.keep_alive && !ctx.drain.is_fired();
     let seg = &*ctx.shared.seg;
 
     // 1. Route, key (401) and body (413).
@@ -362,7 +366,7 @@ async fn proxy(
                 conn,
                 &e,
                 route.map(|r| r.name()),
-                keep_client && !body_unread,
+                keep_client() && !body_unread,
             )
             .await;
         }
@@ -386,12 +390,13 @@ async fn proxy(
             body.len()
         )
         .into_bytes();
-        if !keep_client {
+        let keep = keep_client();
+        if !keep {
             out.extend_from_slice(b"Connection: close\r\n");
         }
         out.extend_from_slice(b"\r\n");
         out.extend_from_slice(&body);
-        return conn.write_all_bytes(out).await.is_ok() && keep_client;
+        return conn.write_all_bytes(out).await.is_ok() && keep;
     }
 
     // 3. Reject rules, on the client's original body (a client's GET /v1/models is exempt).
@@ -416,7 +421,7 @@ async fn proxy(
                 message: hit.rule.message_or_default().into_owned(),
                 status: hit.rule.status.unwrap_or(opts.reject_rules_status),
             };
-            return refuse(conn, &e, Some(route.name()), keep_client).await;
+            return refuse(conn, &e, Some(route.name()), keep_client()).await;
         }
     }
 
@@ -427,7 +432,7 @@ async fn proxy(
             model: model.map(String::from),
             supported: route.models_sorted.clone(),
         };
-        return refuse(conn, &e, Some(route.name()), keep_client).await;
+        return refuse(conn, &e, Some(route.name()), keep_client()).await;
     };
 
     // 5. Session id.
@@ -452,7 +457,7 @@ async fn proxy(
             conn,
             &ProxyError::NoHealthyPeer,
             Some(route.name()),
-            keep_client,
+            keep_client(),
         )
         .await;
     };
@@ -541,7 +546,7 @@ async fn proxy(
             prio_bucket = Some((*slot, *b));
         }
         if let Some(e) = shed {
-            return refuse(conn, &e, Some(route.name()), keep_client).await;
+            return refuse(conn, &e, Some(route.name()), keep_client()).await;
         }
     }
 
@@ -566,7 +571,7 @@ async fn proxy(
             conn,
             &ProxyError::NoHealthyPeer,
             Some(route.name()),
-            keep_client,
+            keep_client(),
         )
         .await;
     };
@@ -793,7 +798,7 @@ async fn proxy(
                 let body_closes = client == ClientFraming::Raw
                     || (client == ClientFraming::Passthrough
                         && ex.head.framing == ResponseFraming::UntilClose);
-                let keep = keep_client && !body_closes;
+                let keep = keep_client() && !body_closes;
                 // The request's buffer, sent, takes the client's head (after any interim
                 // heads): one spare buffer per request.
                 let mut out = std::mem::take(&mut ex.req);
@@ -974,7 +979,7 @@ async fn proxy(
     }
     let (status, keep, stats, routed, end) = match phase {
         Phase::Failed(e, routed) => {
-            let keep = refuse(conn, &e, Some(route.name()), keep_client).await;
+            let keep = refuse(conn, &e, Some(route.name()), keep_client()).await;
             let end = if matches!(e, ProxyError::ClientGone) {
                 relay::END_CLIENT_GONE
             } else {
