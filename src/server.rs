@@ -143,7 +143,9 @@ fn retire_previous(workers: &Workers, seg: &Segment) {
 }
 
 /// Load the key file, logging when authentication is off (fail-open).
-fn load_keys(config: &Config) -> KeyFile {
+/// Load the key file and log what was found. `was_unset`: the running configuration had no
+/// key file either, so a reload does not repeat that warning (problems are repeated).
+fn load_keys(config: &Config, was_unset: bool) -> KeyFile {
     let kf = load_key_file(config.server.api_keys_file.as_deref());
     let path = kf
         .path
@@ -156,6 +158,7 @@ fn load_keys(config: &Config) -> KeyFile {
             path,
             "API key file is present but unreadable: authentication is OFF (fail-open)"
         ),
+        KeyFileStatus::Unset if was_unset => {}
         KeyFileStatus::Unset => tracing::warn!(
             path,
             "no API key file configured: routes without their own api_keys accept every request"
@@ -200,7 +203,7 @@ impl Router {
         if reclaimed > 0 {
             tracing::info!(rows = reclaimed, "reclaimed worker rows of a dead process");
         }
-        let keys = Arc::new(load_keys(&config));
+        let keys = Arc::new(load_keys(&config, false));
         let snapshot = Arc::new(
             Snapshot::build(config.clone(), keys, &seg, 1)
                 .map_err(|e| StartError::Io(io::Error::other(e)))?,
@@ -269,7 +272,10 @@ impl Router {
             fresh.server.shm_path = old.shm_path.clone();
         }
         let fresh = Arc::new(fresh);
-        let keys = Arc::new(load_keys(&fresh));
+        let keys = Arc::new(load_keys(
+            &fresh,
+            self.config.server.api_keys_file.is_none(),
+        ));
         let snap =
             Snapshot::build(fresh.clone(), keys, &self.seg, self.generation + 1).map_err(|e| {
                 vec![ConfigError {

@@ -717,6 +717,32 @@ fn a_worker_that_logs_into_a_full_stderr_pipe_drops_the_line_and_keeps_serving()
 }
 
 #[test]
+fn reloads_do_not_repeat_the_no_key_file_warning() {
+    let d = temp_dir("reloadwarn");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let log = d.0.join("stderr.log");
+    let p = start_serve_spawning(&d.0, "", |cfg| {
+        let f = std::fs::File::create(&log).unwrap();
+        spawn_serve_to(cfg, &[], f.into())
+    });
+    let text = || std::fs::read_to_string(&log).unwrap_or_default();
+    for generation in [2, 3] {
+        p.signal("HUP");
+        eventually(Duration::from_secs(5), "reloaded", || {
+            text().contains(&format!("configuration reloaded generation={generation}"))
+        });
+    }
+    // Said once, at start (the control: it is said), not again on each reload.
+    let all = text();
+    assert_eq!(
+        all.matches("no API key file configured").count(),
+        1,
+        "{all}"
+    );
+}
+
+#[test]
 fn a_missing_key_file_fails_open_and_says_so() {
     let d = temp_dir("nokeys");
     let m = mock("m0");
