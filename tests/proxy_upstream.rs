@@ -693,6 +693,69 @@ fn a_large_body_is_sent_whole_on_every_attempt() {
     assert_eq!(inflight_total(&env, "r"), 0);
 }
 
+/// A peer that refuses a request before reading its body (a proxy in front of the engine
+/// with a smaller body limit, or an auth check) answers and closes with the body unread.
+/// The router's write of the body then fails, but the answer is there to read: the client
+/// gets the peer's own 413, not a 502, and the connection is not pooled.
+#[test]
+fn a_peers_answer_before_it_read_the_body_reaches_the_client() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let refused = std::sync::Arc::new(AtomicUsize::new(0));
+    let count = refused.clone();
+    serve_each(l, move |mut s| {
+        let mut head = Vec::new();
+        let mut b = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match s.read(&mut b) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => head.extend_from_slice(&b[..n]),
+            }
+        }
+        if is_health_probe(&head) {
+            let _ = answer_health_probe(&mut s);
+            return;
+        }
+        count.fetch_add(1, SeqCst);
+        let body = br#"{"error":"request body too large for this proxy"}"#;
+        let _ = s.write_all(
+            &[
+                format!(
+                    "HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                    body.len()
+                )
+                .as_bytes(),
+                body,
+            ]
+            .concat(),
+        );
+        // Closed with most of the body unread: the peer's kernel answers it with a reset.
+    });
+    let env = start(
+        &[("r", route_for(&[addr], "max_body_size = \"16m\"\n"))],
+        "",
+    );
+    let big = chat_body(&"x".repeat(8 << 20), false);
+    for i in 0..3 {
+        let r = request(env.public(), &post_json("/r/v1/chat/completions", &big, ""));
+        assert_eq!(r.status, 413, "{i}: {}", r.text());
+        assert!(
+            r.text().contains("too large for this proxy"),
+            "{i}: {}",
+            r.text()
+        );
+    }
+    // The control: the peer did refuse each of them itself.
+    assert_eq!(refused.load(SeqCst), 3);
+    // A small request still goes through the same way.
+    let r = request(
+        env.public(),
+        &post_json("/r/v1/chat/completions", &chat_body("x", false), ""),
+    );
+    assert_eq!(r.status, 413);
+    assert_eq!(inflight_total(&env, "r"), 0);
+}
+
 /// A peer may leave the reason phrase out of its status line (`HTTP/1.1 200` + CRLF), or
 /// send one that is not UTF-8. The client gets the standard phrase for the code, the body
 /// as sent, and the worker goes on serving; a peer's own phrase is still relayed.

@@ -303,10 +303,14 @@ async fn send_and_read_head(
             })
         }
     };
-    let req = match sent {
+    // A failed write is not the end: a peer that refuses a request before reading all of
+    // it (a 413 or 401 from a proxy in front of the engine) answers and closes, and its
+    // answer is already here to read. Nothing to read means it just closed (a stale pooled
+    // connection among them), as before. The connection is not reused either way.
+    let (req, send_failed) = match sent {
         Err(_) => return Err((gone(), buf, None)),
-        Ok((Err(_), req)) => return Err((SendError::BeforeAnyByte, buf, Some(req))),
-        Ok((Ok(_), req)) => req,
+        Ok((Err(_), req)) => (req, true),
+        Ok((Ok(_), req)) => (req, false),
     };
     let mut req = Some(req);
     macro_rules! bail {
@@ -373,6 +377,8 @@ async fn send_and_read_head(
                             "protocol upgrades are not supported"
                         )));
                     }
+                    let mut h = h;
+                    h.reusable &= !send_failed;
                     let first = first_byte_at.unwrap_or(read_at);
                     let req = req.take().unwrap_or_default();
                     return Ok((h, buf, start + used, interim, [first, read_at], req));
