@@ -36,13 +36,7 @@ pub fn bind_shared(
         match TcpListener::bind(addr) {
             Ok(probe) => drop(probe),
             Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
-                return Err(io::Error::new(
-                    io::ErrorKind::AddrInUse,
-                    format!(
-                        "{addr} is already served by another process (a running warmroute?); \
-                         stop it, or start with --takeover to replace it without downtime"
-                    ),
-                ))
+                return Err(io::Error::new(io::ErrorKind::AddrInUse, in_use(addr)))
             }
             Err(e) => return Err(io::Error::new(e.kind(), format!("cannot bind {addr}: {e}"))),
         }
@@ -55,6 +49,52 @@ pub fn bind_shared(
         all.push(reuseport_socket(bound)?);
     }
     Ok((all, bound))
+}
+
+/// Why `addr` cannot be bound, as far as can be told: something listens there (another
+/// router: `--takeover` is the way), or only a connection holds the port, typically an
+/// outgoing one from the kernel's ephemeral range waiting out its TIME-WAIT, which no
+/// `--takeover` changes.
+fn in_use(addr: SocketAddr) -> String {
+    let mut probe = addr;
+    if probe.ip().is_unspecified() {
+        probe.set_ip(match addr {
+            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    if std::net::TcpStream::connect_timeout(&probe, std::time::Duration::from_millis(500)).is_ok() {
+        return format!(
+            "{addr} is already served by another process (a running warmroute?); stop it, or \
+             start with --takeover to replace it without downtime"
+        );
+    }
+    let mut msg = format!(
+        "{addr} is held by a connection, not by a listener (nothing answers there), \
+         likely one waiting out its TIME-WAIT"
+    );
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok();
+    if let Some((lo, hi)) = range.as_deref().and_then(parse_port_range) {
+        if (lo..=hi).contains(&addr.port()) {
+            msg.push_str(&format!(
+                "; port {} is in the kernel's ephemeral range {lo}-{hi} \
+                 (net.ipv4.ip_local_port_range), where outgoing connections take their ports: \
+                 choose a port outside it",
+                addr.port()
+            ));
+        }
+    }
+    msg.push_str("; or retry in a minute");
+    msg
+}
+
+/// `net.ipv4.ip_local_port_range` as read from /proc: two numbers.
+fn parse_port_range(s: &str) -> Option<(u16, u16)> {
+    let mut it = s.split_whitespace().map(str::parse::<u16>);
+    match (it.next(), it.next()) {
+        (Some(Ok(lo)), Some(Ok(hi))) => Some((lo, hi)),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -73,5 +113,36 @@ mod tests {
         let (more, again) = bind_shared(bound, 1, true).unwrap();
         assert_eq!(again, bound);
         drop(more);
+    }
+
+    #[test]
+    fn a_port_held_by_a_time_wait_connection_is_named_as_such() {
+        // A connection closed first from this side waits out its TIME-WAIT on its local
+        // port, which a listener then cannot take (the client socket had no SO_REUSEADDR).
+        let server = TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(server.local_addr().unwrap()).unwrap();
+        let port = client.local_addr().unwrap().port();
+        let (accepted, _) = server.accept().unwrap();
+        drop(client);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        drop(accepted);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let held: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let err = bind_shared(held, 1, false).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::AddrInUse);
+        let msg = err.to_string();
+        assert!(
+            msg.contains("held by a connection, not by a listener"),
+            "{msg}"
+        );
+        assert!(!msg.contains("--takeover"), "{msg}");
+        // Ports the kernel hands to outgoing connections come from its ephemeral range.
+        assert!(msg.contains("ephemeral range"), "{msg}");
+    }
+
+    #[test]
+    fn the_ephemeral_range_is_read_as_two_ports() {
+        assert_eq!(parse_port_range("32768\t60999\n"), Some((32768, 60999)));
+        assert_eq!(parse_port_range("garbage"), None);
     }
 }
