@@ -307,6 +307,102 @@ fn responses_cut_short_are_counted_by_who_cut_them_and_logged_with_their_end() {
     let _ = std::fs::remove_file(&log);
 }
 
+#[test]
+fn requests_refused_before_a_peer_get_their_access_line_too() {
+    let m = mock("m0");
+    let log = shm_path("refused-log");
+    let route = format!(
+        "peers = [ {{ host = \"127.0.0.1\", port = {}, name = \"p0\", max_concurrency = 1 }} ]\n\
+         api_keys = {{ \"k1\" = \"alice\" }}\nmax_body_size = \"2k\"\n\
+         reject_rules_enabled = true\nreject_rules_status = 422\n\
+         [[reject_rules]]\nname = \"no-evil\"\nfield = \"model\"\nop = \"match\"\nvalue = \"^evil$\"\n",
+        m.addr().port()
+    );
+    let env = start_logging(
+        &[("r", route)],
+        "",
+        warmroute::worker::AccessLogTarget::File(log.clone()),
+    );
+    let addr = env.public();
+    let chat = |body: &str, extra: &str| {
+        post_json(
+            "/r/v1/chat/completions",
+            body,
+            &format!("x-session-id: s-1\r\n{extra}"),
+        )
+    };
+    let key = "authorization: Bearer k1\r\n";
+    // The control: a request that reaches the peer.
+    assert_eq!(
+        request(addr, &chat(&chat_body("x", false), key)).status,
+        200
+    );
+    assert_eq!(request(addr, &chat(&chat_body("x", false), "")).status, 401);
+    assert_eq!(
+        request(addr, &chat(&chat_body(&"x".repeat(3000), false), key)).status,
+        413
+    );
+    let evil = r#"{"model":"evil","messages":[{"role":"user","content":"x"}]}"#;
+    assert_eq!(request(addr, &chat(evil, key)).status, 422);
+    // 429: the peer's only slot is held by a slow request.
+    let slow = std::thread::spawn(move || {
+        request(
+            addr,
+            &chat(
+                &chat_body("x", false),
+                &format!("{key}x-mock-ttft-ms: 800\r\n"),
+            ),
+        )
+    });
+    eventually(Duration::from_secs(5), "one in flight", || {
+        inflight_total(&env, "r") == 1
+    });
+    assert_eq!(
+        request(addr, &chat(&chat_body("x", false), key)).status,
+        429
+    );
+    assert_eq!(slow.join().unwrap().status, 200);
+
+    let lines = || -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    eventually(Duration::from_secs(3), "six access lines", || {
+        lines().len() == 6
+    });
+    let mut got: Vec<(u64, String, String, String)> = lines()
+        .iter()
+        .map(|l| {
+            (
+                l["status"].as_u64().unwrap(),
+                l["route"].as_str().unwrap_or("?").to_string(),
+                l["owner"].as_str().unwrap_or("-").to_string(),
+                l["session"].as_str().unwrap_or("?").to_string(),
+            )
+        })
+        .collect();
+    got.sort();
+    let row = |st: u64, owner: &str, session: &str| {
+        (st, "r".to_string(), owner.to_string(), session.to_string())
+    };
+    assert_eq!(
+        got,
+        [
+            row(200, "alice", "s-1"),
+            row(200, "alice", "s-1"),
+            row(401, "-", "-"),
+            row(413, "alice", "-"),
+            row(422, "alice", "-"),
+            // Shed after the session id was read: the line names the session.
+            row(429, "alice", "s-1"),
+        ]
+    );
+    let _ = std::fs::remove_file(&log);
+}
+
 /// The workers' `warmroute_worker_cpu_seconds_total`, summed.
 fn worker_cpu(env: &Env) -> f64 {
     scrape(env)

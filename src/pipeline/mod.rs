@@ -231,14 +231,17 @@ struct Prepared<'a> {
     owner: Option<String>,
 }
 
-/// Route, API key and body. Errors come with the route when it is known.
+/// Why `prepare` refused: the error, and the route and the key's owner when known.
+type PrepareError<'a> = (ProxyError, Option<&'a Arc<RouteRt>>, Option<String>);
+
+/// Route, API key and body. Errors come with the route and the owner when they are known.
 async fn prepare<'a>(
     ctx: &WorkerCtx,
     conn: &mut ClientConn,
     head: &RequestHead,
     snap: &'a Snapshot,
     entry: Entry<'a>,
-) -> Result<Prepared<'a>, (ProxyError, Option<&'a Arc<RouteRt>>)> {
+) -> Result<Prepared<'a>, PrepareError<'a>> {
     let seg = &ctx.shared.seg;
     let ceiling = snap.config.server.max_body_size_ceiling;
     let authorize = |route: &'a Arc<RouteRt>| match auth::authorize(&head.headers, &route.keys) {
@@ -247,7 +250,7 @@ async fn prepare<'a>(
         AuthDecision::Denied => {
             seg.route_cell(route.slot, cells::route::UNAUTHORIZED)
                 .fetch_add(1, Relaxed);
-            Err((ProxyError::Unauthorized, Some(route)))
+            Err((ProxyError::Unauthorized, Some(route), None))
         }
     };
     match entry {
@@ -255,10 +258,13 @@ async fn prepare<'a>(
             // The key is checked before the body is read.
             let owner = authorize(route)?;
             let limit = route.cfg.opts.max_body_size.min(ceiling);
-            let body = conn
+            let body = match conn
                 .read_body(head, limit, BODY_READ_TIMEOUT, &ctx.bodies)
                 .await
-                .map_err(|e| (e, Some(route)))?;
+            {
+                Ok(b) => b,
+                Err(e) => return Err((e, Some(route), owner)),
+            };
             // The body is parsed once, and only when something needs it: a session id no
             // header gave, or the model of a sub-pool route.
             let needs_body = route.by_model() || !session_id::header_decides(&head.headers);
@@ -279,7 +285,7 @@ async fn prepare<'a>(
             let body = conn
                 .read_body(head, ceiling, BODY_READ_TIMEOUT, &ctx.bodies)
                 .await
-                .map_err(|e| (e, None))?;
+                .map_err(|e| (e, None, None))?;
             let fields = session_id::parse_body(&body);
             let model = fields.as_ref().and_then(|f| f.model.clone());
             let Some(route) = model.as_deref().and_then(|m| snap.route_for_model(m)) else {
@@ -290,12 +296,16 @@ async fn prepare<'a>(
                     .collect();
                 supported.sort();
                 supported.dedup();
-                return Err((ProxyError::ModelNotSupported { model, supported }, None));
+                return Err((
+                    ProxyError::ModelNotSupported { model, supported },
+                    None,
+                    None,
+                ));
             };
             let owner = authorize(route)?;
             let limit = route.cfg.opts.max_body_size.min(ceiling);
             if body.len() as u64 > limit {
-                return Err((ProxyError::BodyTooLarge { limit }, Some(route)));
+                return Err((ProxyError::BodyTooLarge { limit }, Some(route), owner));
             }
             Ok(Prepared {
                 route,
@@ -358,17 +368,13 @@ async fn proxy(
     // 1. Route, key (401) and body (413).
     let mut p = match prepare(ctx, conn, head, snap, entry).await {
         Ok(p) => p,
-        Err((e, route)) => {
+        Err((e, route, owner)) => {
             // A refusal before the body was read leaves it on the wire: close then.
             let body_unread = matches!(e, ProxyError::Unauthorized)
                 && head.body != crate::http::BodyFraming::None;
-            return refuse(
-                conn,
-                &e,
-                route.map(|r| r.name()),
-                keep_client() && !body_unread,
-            )
-            .await;
+            let log = Refused::early(route.map(|r| &**r), owner.as_deref(), 0);
+            let keep = keep_client() && !body_unread;
+            return refuse_logged(ctx, conn, head, &e, keep, log, started).await;
         }
     };
     let route: &RouteRt = p.route;
@@ -396,6 +402,12 @@ async fn proxy(
         }
         out.extend_from_slice(b"\r\n");
         out.extend_from_slice(&body);
+        let stats = RelayStats {
+            body_bytes: body.len() as u64,
+            ..RelayStats::default()
+        };
+        let log = Refused::early(Some(route), p.owner.as_deref(), req_bytes);
+        log.write(ctx, head, 200, &stats, relay::END_COMPLETE, started);
         return conn.write_all_bytes(out).await.is_ok() && keep;
     }
 
@@ -421,7 +433,8 @@ async fn proxy(
                 message: hit.rule.message_or_default().into_owned(),
                 status: hit.rule.status.unwrap_or(opts.reject_rules_status),
             };
-            return refuse(conn, &e, Some(route.name()), keep_client()).await;
+            let log = Refused::early(Some(route), p.owner.as_deref(), req_bytes);
+            return refuse_logged(ctx, conn, head, &e, keep_client(), log, started).await;
         }
     }
 
@@ -432,7 +445,8 @@ async fn proxy(
             model: model.map(String::from),
             supported: route.models_sorted.clone(),
         };
-        return refuse(conn, &e, Some(route.name()), keep_client()).await;
+        let log = Refused::early(Some(route), p.owner.as_deref(), req_bytes);
+        return refuse_logged(ctx, conn, head, &e, keep_client(), log, started).await;
     };
 
     // 5. Session id.
@@ -441,6 +455,14 @@ async fn proxy(
         body_user_affinity: opts.body_user_affinity,
     };
     let (sid, source) = session_id::extract(&head.headers, p.fields.as_ref(), &sid_opts);
+    // The access line of a request refused from here on names its session.
+    let refused_log = || Refused {
+        route: Some(route),
+        owner: p.owner.as_deref(),
+        req_bytes,
+        session: session_id::header_value(sid.as_ref().map(|s| &*s.id)),
+        source: source.label(),
+    };
 
     // 6. Loads, then the 503 gate and the load gates — concurrency (static or adaptive
     //    limit), TTFT, and decode rate (only without adaptive concurrency). A client's
@@ -453,13 +475,8 @@ async fn proxy(
     pool.loads_into(seg, now_ms, &mut loads);
     let Some(mut fig) = admission::figures(&loads, opts.rt_limit_factor) else {
         rcell(cells::route::UNAVAILABLE).fetch_add(1, Relaxed);
-        return refuse(
-            conn,
-            &ProxyError::NoHealthyPeer,
-            Some(route.name()),
-            keep_client(),
-        )
-        .await;
+        let e = ProxyError::NoHealthyPeer;
+        return refuse_logged(ctx, conn, head, &e, keep_client(), refused_log(), started).await;
     };
     let mut prio_bucket: Option<(warmroute_shm::RouteSlot, usize)> = None;
     if upstream_path != "/v1/models" {
@@ -546,7 +563,7 @@ async fn proxy(
             prio_bucket = Some((*slot, *b));
         }
         if let Some(e) = shed {
-            return refuse(conn, &e, Some(route.name()), keep_client()).await;
+            return refuse_logged(ctx, conn, head, &e, keep_client(), refused_log(), started).await;
         }
     }
 
@@ -567,13 +584,8 @@ async fn proxy(
     }
     let Some(first) = choice.index() else {
         rcell(cells::route::UNAVAILABLE).fetch_add(1, Relaxed);
-        return refuse(
-            conn,
-            &ProxyError::NoHealthyPeer,
-            Some(route.name()),
-            keep_client(),
-        )
-        .await;
+        let e = ProxyError::NoHealthyPeer;
+        return refuse_logged(ctx, conn, head, &e, keep_client(), refused_log(), started).await;
     };
     rcell(match choice {
         PeerChoice::Hash(_) => cells::route::MODE_HASH,
@@ -998,7 +1010,7 @@ async fn proxy(
     access_log(
         ctx,
         &AccessEntry {
-            route,
+            route: Some(route),
             head,
             status,
             routed: routed.as_ref(),
@@ -1449,7 +1461,8 @@ fn client_head(
 
 /// One access-log line's inputs.
 struct AccessEntry<'a> {
-    route: &'a RouteRt,
+    /// `None`: refused before a route was found (an unknown model on a bare `/v1` path).
+    route: Option<&'a RouteRt>,
     head: &'a RequestHead,
     status: u16,
     routed: Option<&'a Routed<'a>>,
@@ -1462,6 +1475,77 @@ struct AccessEntry<'a> {
     end: &'static str,
     body_read_at: Instant,
     started: Instant,
+}
+
+/// The access line of a request answered before it reached a peer (refused, or a model
+/// list the route answers itself).
+struct Refused<'a> {
+    route: Option<&'a RouteRt>,
+    owner: Option<&'a str>,
+    req_bytes: usize,
+    session: Cow<'a, str>,
+    source: Cow<'static, str>,
+}
+
+impl<'a> Refused<'a> {
+    /// Before the session id is read.
+    fn early(route: Option<&'a RouteRt>, owner: Option<&'a str>, req_bytes: usize) -> Self {
+        Refused {
+            route,
+            owner,
+            req_bytes,
+            session: Cow::Borrowed("-"),
+            source: Cow::Borrowed("none"),
+        }
+    }
+
+    fn write(
+        &self,
+        ctx: &WorkerCtx,
+        head: &RequestHead,
+        status: u16,
+        stats: &RelayStats,
+        end: &'static str,
+        started: Instant,
+    ) {
+        access_log(
+            ctx,
+            &AccessEntry {
+                route: self.route,
+                head,
+                status,
+                routed: None,
+                session: &self.session,
+                source: &self.source,
+                owner: self.owner,
+                req_bytes: self.req_bytes,
+                stats,
+                end,
+                body_read_at: started,
+                started,
+            },
+        );
+    }
+}
+
+/// `refuse`, and the request's access line.
+async fn refuse_logged(
+    ctx: &WorkerCtx,
+    conn: &mut ClientConn,
+    head: &RequestHead,
+    e: &ProxyError,
+    keep: bool,
+    log: Refused<'_>,
+    started: Instant,
+) -> bool {
+    let keep = refuse(conn, e, log.route.map(RouteRt::name), keep).await;
+    let end = if matches!(e, ProxyError::ClientGone) {
+        relay::END_CLIENT_GONE
+    } else {
+        relay::END_COMPLETE
+    };
+    log.write(ctx, head, e.status(), &RelayStats::default(), end, started);
+    keep
 }
 
 fn access_log(ctx: &WorkerCtx, e: &AccessEntry<'_>) {
@@ -1477,7 +1561,7 @@ fn access_log(ctx: &WorkerCtx, e: &AccessEntry<'_>) {
     let usage = e.stats.usage;
     log.line(|l| {
         l.thousandths("ts", warmroute_shm::now_ms());
-        l.str("route", e.route.name());
+        l.opt_str("route", e.route.map(RouteRt::name));
         l.str("method", e.head.method());
         l.str("path", e.head.path());
         l.u64("status", e.status.into());
