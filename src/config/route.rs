@@ -907,6 +907,16 @@ pub fn valid_route_name(name: &str) -> bool {
         })
 }
 
+/// Names a route cannot take: its `/<name>/...` paths would hide the router's own.
+fn reserved_route_name(name: &str) -> Option<&'static str> {
+    match name {
+        "v1" => Some("/v1/... is the path routed by the body's model"),
+        "healthz" | "readyz" | "metrics" | "_routes" => Some("the router answers that path itself"),
+        "." | ".." => Some("clients resolve it away in the request path"),
+        _ => None,
+    }
+}
+
 /// Parses one route file's table. Returns `None` when the route has errors (all recorded).
 pub(crate) fn parse_route(
     name: &str,
@@ -920,6 +930,11 @@ pub(crate) fn parse_route(
         d.error(
             "name",
             format!("route name {name:?} (the file stem) must match [a-z0-9._-]+"),
+        );
+    } else if let Some(why) = reserved_route_name(name) {
+        d.error(
+            "name",
+            format!("route name {name:?} (the file stem) is reserved: {why}"),
         );
     }
     let mut opts = RouteOpts::defaults(&server.defaults);

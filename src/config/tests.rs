@@ -345,6 +345,19 @@ models = ["extra"]
 }
 
 #[test]
+fn route_names_that_would_hide_the_routers_own_paths_are_refused() {
+    for name in ["v1", "healthz", "readyz", "metrics", "_routes", ".", ".."] {
+        let e = strs(None, &[(name, MIN_ROUTE)]).unwrap_err();
+        assert_eq!(fields(&e), ["name"], "{name}");
+        assert!(e[0].message.contains("is reserved"), "{name}: {}", e[0]);
+    }
+    // The control: names that only look alike are routes like any other.
+    for name in ["v2", "v1-chat", "health", "_metrics", "..x"] {
+        assert!(strs(None, &[(name, MIN_ROUTE)]).is_ok(), "{name}");
+    }
+}
+
+#[test]
 fn an_unknown_server_key_names_the_one_meant_or_lists_them() {
     let e = strs(
         Some("admin_listn = \"127.0.0.1:1\"\nlisten_port = 8080"),
