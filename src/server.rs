@@ -104,11 +104,51 @@ impl std::fmt::Display for StartError {
 /// has three (TTFT and decode-rate windows, control) and each reject rule one hit counter,
 /// so they are sized well past the 1024-route limit; peers likewise past 1024 per route
 /// across a few large routes, with room for reloads (slots are never freed).
-fn segment_capacities() -> Capacities {
+/// Worker rows hold this router's workers and, during a takeover, those of the router it
+/// replaces: twice the worker count, in steps of 64 (so a small change of the count keeps
+/// the layout), 64 at least.
+fn segment_capacities(workers: usize) -> Capacities {
+    let rows = (2 * workers).max(1).div_ceil(64) * 64;
     Capacities {
-        workers: 64,
+        workers: u32::try_from(rows)
+            .unwrap_or(u32::MAX)
+            .min(warmroute_shm::MAX_WORKERS),
         peers: 8192,
         routes: 8192,
+    }
+}
+
+/// Open the segment sized for `workers`; when a live router (the one a takeover replaces)
+/// owns it with another worker capacity, share it as it is if its free rows suffice.
+fn open_segment(path: &std::path::Path, workers: usize) -> io::Result<Segment> {
+    let caps = segment_capacities(workers);
+    let seg = match Segment::open_or_create(path, caps) {
+        Ok(seg) => seg,
+        Err(e) if e.kind() == io::ErrorKind::AddrInUse => match Segment::open_existing(path) {
+            Ok(seg) if seg.caps().peers == caps.peers && seg.caps().routes == caps.routes => seg,
+            _ => return Err(e),
+        },
+        Err(e) => return Err(e),
+    };
+    reclaim_dead_rows(&seg);
+    let owned = seg.workers().len();
+    let rows = seg.caps().workers as usize;
+    if owned + workers > rows {
+        return Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!(
+                "{workers} workers need {workers} free worker rows, but {owned} of its {rows} are \
+                 owned by live processes (a router still draining?)"
+            ),
+        ));
+    }
+    Ok(seg)
+}
+
+fn reclaim_dead_rows(seg: &Segment) {
+    let reclaimed = seg.reclaim_dead();
+    if reclaimed > 0 {
+        tracing::info!(rows = reclaimed, "reclaimed worker rows of a dead process");
     }
 }
 
@@ -191,28 +231,30 @@ impl Router {
             Ok((_, after)) => tracing::debug!(limit = after, "open-file limit"),
             Err(e) => tracing::warn!(error = %e, "could not raise the open-file limit"),
         }
-        let seg = Arc::new(
-            Segment::open_or_create(&server.shm_path, segment_capacities()).map_err(|e| {
-                StartError::Io(io::Error::new(
-                    e.kind(),
-                    format!("shared segment {}: {e}", server.shm_path.display()),
-                ))
-            })?,
-        );
-        let reclaimed = seg.reclaim_dead();
-        if reclaimed > 0 {
-            tracing::info!(rows = reclaimed, "reclaimed worker rows of a dead process");
-        }
-        let keys = Arc::new(load_keys(&config, false));
-        let snapshot = Arc::new(
-            Snapshot::build(config.clone(), keys, &seg, 1)
-                .map_err(|e| StartError::Io(io::Error::other(e)))?,
-        );
         let workers = match (overrides.workers, server.workers) {
             (Some(n), _) if n > 0 => n,
             (_, n) if n > 0 => n,
             _ => default_worker_count(),
         };
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if workers > cpus {
+            tracing::warn!(
+                workers,
+                cpus,
+                "more workers than CPUs: workers share cores (one per core is the design)"
+            );
+        }
+        let seg = Arc::new(open_segment(&server.shm_path, workers).map_err(|e| {
+            StartError::Io(io::Error::new(
+                e.kind(),
+                format!("shared segment {}: {e}", server.shm_path.display()),
+            ))
+        })?);
+        let keys = Arc::new(load_keys(&config, false));
+        let snapshot = Arc::new(
+            Snapshot::build(config.clone(), keys, &seg, 1)
+                .map_err(|e| StartError::Io(io::Error::other(e)))?,
+        );
         let opts = StartOptions {
             workers,
             public: server.listen,
@@ -335,5 +377,20 @@ impl Router {
     pub fn shutdown(self, timeout: Duration) {
         self.workers.drain(timeout);
         self.workers.join();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_rows_leave_room_for_a_takeover_in_steps_of_64() {
+        let rows = |w| segment_capacities(w).workers;
+        assert_eq!([rows(1), rows(2), rows(32)], [64, 64, 64]);
+        assert_eq!([rows(33), rows(64), rows(65)], [128, 128, 192]);
+        assert_eq!(rows(4096), warmroute_shm::MAX_WORKERS);
+        // What the routes and peers get does not depend on the worker count.
+        assert_eq!(segment_capacities(1).peers, segment_capacities(500).peers);
     }
 }

@@ -984,6 +984,50 @@ fn a_takeover_loses_no_request_of_busy_keep_alive_clients() {
 }
 
 #[test]
+fn a_takeover_between_routers_of_more_than_32_workers_finds_rows_for_both() {
+    // Both routers own worker rows while the old one drains: 40 + 40 outgrew the 64 rows
+    // a segment had, and the new router's workers could not start.
+    let d = temp_dir("takeover-wide");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let mut old = start_serve_with(&d.0, "", &["--workers", "40"]);
+    let public = old.public;
+    let chat = || {
+        request(
+            public,
+            &post_json("/a/v1/chat/completions", &chat_body("x", false), ""),
+        )
+        .status
+    };
+    assert_eq!(chat(), 200);
+    let child = spawn_serve(
+        &d.0.join("warmroute.toml"),
+        &["--workers", "40", "--takeover"],
+    );
+    let mut new = Proc {
+        child,
+        public: old.public,
+        admin: old.admin,
+        shm: old.shm.clone(),
+    };
+    let status = old
+        .wait_exit(Duration::from_secs(15))
+        .expect("the old router drains and exits");
+    assert!(status.success());
+    assert!(
+        new.child.try_wait().unwrap().is_none(),
+        "the new router exited"
+    );
+    assert_eq!(chat(), 200);
+    let workers = request(new.admin, &get("/metrics"))
+        .text()
+        .lines()
+        .filter(|l| l.starts_with("warmroute_worker_cpu_seconds_total{"))
+        .count();
+    assert_eq!(workers, 40);
+}
+
+#[test]
 fn the_router_raises_its_soft_fd_limit_to_the_hard_one() {
     let (soft, hard) = warmroute_shm::nofile_limit().unwrap();
     // The router inherits a low soft limit (systemd's default is 1024), as a service would.
