@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1};
 use warmroute::server::{ConfigSource, Overrides, Router};
 use warmroute::worker::AccessLogTarget;
 
@@ -238,13 +238,14 @@ fn status(config: Option<PathBuf>, shm: Option<PathBuf>) -> ExitCode {
 }
 
 fn serve(source: ConfigSource, overrides: Overrides) -> ExitCode {
-    let signals = match signal_hook::iterator::Signals::new([SIGHUP, SIGINT, SIGQUIT, SIGTERM]) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("warmroute: cannot install signal handlers: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
+    let signals =
+        match signal_hook::iterator::Signals::new([SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1]) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("warmroute: cannot install signal handlers: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
     let router = match Router::start(source, overrides) {
         Ok(r) => r,
         Err(e) => {
@@ -297,8 +298,13 @@ fn run_until_signalled(
                 }
             }
             Ok(SIGHUP) => {
+                router.reopen_logs();
                 reload(&mut router);
                 stamp = router.watch_stamp();
+            }
+            Ok(SIGUSR1) => {
+                tracing::info!("SIGUSR1: reopening the access log");
+                router.reopen_logs();
             }
             Ok(SIGINT) => {
                 tracing::info!("SIGINT: draining (5 s limit)");
@@ -334,13 +340,14 @@ fn reload(router: &mut Router) {
 }
 
 fn demo(overrides: Overrides) -> ExitCode {
-    let signals = match signal_hook::iterator::Signals::new([SIGHUP, SIGINT, SIGQUIT, SIGTERM]) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("warmroute: cannot install signal handlers: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
+    let signals =
+        match signal_hook::iterator::Signals::new([SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1]) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("warmroute: cannot install signal handlers: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
     let listen = overrides
         .listen
         .unwrap_or_else(|| "127.0.0.1:8080".parse().expect("literal"));

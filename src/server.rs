@@ -374,6 +374,11 @@ impl Router {
     }
 
     /// Drain and wait for every worker to stop.
+    /// Every worker reopens its access-log file (after a rotation).
+    pub fn reopen_logs(&self) {
+        self.workers.reopen_logs();
+    }
+
     pub fn shutdown(self, timeout: Duration) {
         self.workers.drain(timeout);
         self.workers.join();

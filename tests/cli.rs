@@ -717,6 +717,52 @@ fn a_worker_that_logs_into_a_full_stderr_pipe_drops_the_line_and_keeps_serving()
 }
 
 #[test]
+fn sigusr1_reopens_the_access_log_after_a_rotation() {
+    let d = temp_dir("rotate");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let log = d.0.join("access.log");
+    let rotated = d.0.join("access.log.1");
+    let p = start_serve_with(&d.0, "", &["--access-log", log.to_str().unwrap()]);
+    let chat = |session: &str| {
+        let r = request(
+            p.public,
+            &post_json(
+                "/a/v1/chat/completions",
+                &chat_body("x", false),
+                &format!("x-session-id: {session}\r\n"),
+            ),
+        );
+        assert_eq!(r.status, 200);
+    };
+    let read = |f: &Path| std::fs::read_to_string(f).unwrap_or_default();
+    chat("before");
+    eventually(Duration::from_secs(3), "the first line", || {
+        read(&log).contains("\"before\"")
+    });
+    // logrotate moves the file away: the router writes on into it until told.
+    std::fs::rename(&log, &rotated).unwrap();
+    chat("moved");
+    eventually(Duration::from_secs(3), "the line in the moved file", || {
+        read(&rotated).contains("\"moved\"")
+    });
+    assert!(!log.exists());
+    p.signal("USR1");
+    let mut n = 0;
+    eventually(
+        Duration::from_secs(5),
+        "lines in a new file at the path",
+        || {
+            n += 1;
+            chat(&format!("after-{n}"));
+            read(&log).contains("\"after-")
+        },
+    );
+    assert!(!read(&log).contains("\"moved\""));
+    assert!(!read(&rotated).contains(&format!("\"after-{n}\"")));
+}
+
+#[test]
 fn reloads_do_not_repeat_the_no_key_file_warning() {
     let d = temp_dir("reloadwarn");
     let m = mock("m0");

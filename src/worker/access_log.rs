@@ -106,6 +106,29 @@ impl AccessLog {
         self.stalled = !self.buf.is_empty();
     }
 
+    /// After a log rotation moved the file away: write what is held to the old file and
+    /// go on in a new file at the path. Only a file target reopens (a rotated stderr is
+    /// the business of whoever redirected it); when the path cannot be opened, the old file
+    /// stays.
+    pub fn reopen(&mut self, target: &AccessLogTarget) {
+        let AccessLogTarget::File(path) = target else {
+            return;
+        };
+        self.flush();
+        match std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            Ok(f) => self.out = Some(f),
+            Err(e) => tracing::warn!(
+                path = %path.display(),
+                error = %e,
+                "cannot reopen the access log; writing on to the old file"
+            ),
+        }
+    }
+
     /// At exit: flush, and while a full pipe holds lines back, try again for up to `limit`.
     pub fn finish(&mut self, limit: Duration) {
         let t0 = Instant::now();

@@ -41,6 +41,9 @@ pub struct Shared {
     pub seg: Arc<Segment>,
     pub draining: AtomicBool,
     pub drain_deadline_ms: AtomicU64,
+    /// Bumped to have every worker reopen its access-log file (SIGUSR1, SIGHUP: after a
+    /// log rotation moved it away).
+    pub log_reopens: AtomicU64,
     pub workers_ready: AtomicUsize,
     pub workers_total: usize,
     pub public_addr: SocketAddr,
@@ -116,6 +119,7 @@ impl Workers {
             seg,
             draining: AtomicBool::new(false),
             drain_deadline_ms: AtomicU64::new(0),
+            log_reopens: AtomicU64::new(0),
             workers_ready: AtomicUsize::new(0),
             workers_total: n,
             public_addr,
@@ -157,6 +161,11 @@ impl Workers {
             // briefly instead (the main thread is not on the data path).
             let _ = tx.send_timeout(snap.clone(), Duration::from_secs(5));
         }
+    }
+
+    /// Have every worker reopen its access-log file on its next tick.
+    pub fn reopen_logs(&self) {
+        self.shared.log_reopens.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Stop accepting; let in-flight requests finish until `timeout`.
@@ -257,6 +266,7 @@ fn worker_main(
             monoio::spawn(sender.clone().run());
         }
         shared.workers_ready.fetch_add(1, Ordering::AcqRel);
+        let mut log_reopens = shared.log_reopens.load(Ordering::Acquire);
         loop {
             monoio::time::sleep(TICK).await;
             let now = warmroute_shm::now_ms();
@@ -270,6 +280,11 @@ fn worker_main(
             }
             ctx.upstreams.borrow_mut().evict_expired(Instant::now());
             ctx.access_log.borrow_mut().flush();
+            let reopens = shared.log_reopens.load(Ordering::Acquire);
+            if reopens != log_reopens {
+                log_reopens = reopens;
+                ctx.access_log.borrow_mut().reopen(&log);
+            }
             if shared.draining.load(Ordering::Acquire) {
                 if !ctx.drain.is_fired() {
                     ctx.drain.fire();
