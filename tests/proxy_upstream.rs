@@ -693,6 +693,59 @@ fn a_large_body_is_sent_whole_on_every_attempt() {
     assert_eq!(inflight_total(&env, "r"), 0);
 }
 
+/// An engine behind its own key (vLLM's `--api-key`) wants it on `/v1/models` too, the
+/// default health probe: the probe carries the route's `upstream_api_key`, or every peer
+/// would be banned and the route would answer 503.
+#[test]
+fn health_probes_carry_the_upstream_api_key() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    serve_each(l, move |mut s| {
+        let mut buf = Vec::new();
+        while let Some(req) = read_request(&mut s, &mut buf) {
+            let text = String::from_utf8_lossy(&req).to_lowercase();
+            let resp: &[u8] = if !text.contains("\r\nauthorization: bearer up-key\r\n") {
+                b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n\r\n"
+            } else if text.starts_with("get /v1/models ") {
+                b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n{\"data\":[]}"
+            } else {
+                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+            };
+            if s.write_all(resp).is_err() {
+                return;
+            }
+        }
+    });
+    let keyed = route_for(
+        &[addr],
+        "upstream_api_key = \"up-key\"\nhealth_check_interval = 1\n",
+    );
+    // The control: the same peer probed without the key.
+    let bare = route_for(&[addr], "health_check_interval = 1\n");
+    let env = start(&[("keyed", keyed), ("bare", bare)], "");
+    let probe = |route: &str| {
+        let hs = request(env.public(), &get(&format!("/{route}/_health_status"))).json();
+        let p = hs[addr.to_string()].clone();
+        (p["last_probe"]["result"].clone(), p["banned"].clone())
+    };
+    eventually(Duration::from_secs(5), "both routes probed", || {
+        !probe("keyed").0.is_null() && !probe("bare").0.is_null()
+    });
+    assert_eq!(
+        probe("keyed"),
+        (serde_json::json!(200), serde_json::json!(false))
+    );
+    assert_eq!(
+        probe("bare"),
+        (serde_json::json!(401), serde_json::json!(true))
+    );
+    let r = request(
+        env.public(),
+        &post_json("/keyed/v1/chat/completions", &chat_body("x", false), ""),
+    );
+    assert_eq!((r.status, r.text().as_str()), (200, "ok"));
+}
+
 /// A peer that refuses a request before reading its body (a proxy in front of the engine
 /// with a smaller body limit, or an auth check) answers and closes with the body unread.
 /// The router's write of the body then fails, but the answer is there to read: the client

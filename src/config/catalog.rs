@@ -173,7 +173,7 @@ pub static ROUTE_OPTS: &[OptSpec] = &[
     opt("api_keys", "Route API keys", "auth", K::Map, D::None,
         "Table of key = owner used instead of the shared key file for this route."),
     opt("upstream_api_key", "Upstream API key", "auth", K::Str, D::None,
-        "When set, the Authorization header sent to the peers carries this key instead of the client's."),
+        "When set, the Authorization header sent to the peers carries this key instead of the client's; the health probes carry it too."),
     // --- ttft ---
     opt("ttft_limit_ms", "TTFT limit (ms)", "ttft", float(0.0, 1e9), D::None,
         "Shed with 429 while the pool's TTFT EWMA is at or above this many ms; unset = no TTFT shedding."),

@@ -60,8 +60,11 @@ pub async fn probe_route(ctx: Rc<WorkerCtx>, route: Arc<RouteRt>) {
                     .probe
                     .as_deref()
                     .unwrap_or(&route.cfg.opts.health_probe_path);
+                // A peer that wants the router's key for its API (vLLM's --api-key) wants it
+                // for /v1/models, the default probe, too.
+                let key = route.cfg.opts.upstream_api_key.as_deref();
                 let t0 = Instant::now();
-                let outcome = probe(peer, path, timeout).await;
+                let outcome = probe(peer, path, key, timeout).await;
                 apply(&ctx, &route, peer, outcome, t0.elapsed());
             }));
         }
@@ -71,22 +74,29 @@ pub async fn probe_route(ctx: Rc<WorkerCtx>, route: Arc<RouteRt>) {
     }
 }
 
-/// Send one probe.
-pub async fn probe(peer: &PeerRt, path: &str, timeout: Duration) -> ProbeOutcome {
-    match monoio::time::timeout(timeout, probe_inner(peer, path)).await {
+/// Send one probe, with `Authorization: Bearer <key>` when the route has an
+/// `upstream_api_key`.
+pub async fn probe(
+    peer: &PeerRt,
+    path: &str,
+    key: Option<&str>,
+    timeout: Duration,
+) -> ProbeOutcome {
+    match monoio::time::timeout(timeout, probe_inner(peer, path, key)).await {
         Err(_) => ProbeOutcome::Timeout,
         Ok(Ok(o)) => o,
         Ok(Err(_)) => ProbeOutcome::Broken,
     }
 }
 
-async fn probe_inner(peer: &PeerRt, path: &str) -> io::Result<ProbeOutcome> {
+async fn probe_inner(peer: &PeerRt, path: &str, key: Option<&str>) -> io::Result<ProbeOutcome> {
     let mut s = match TcpStream::connect_addr(peer.addr).await {
         Ok(s) => s,
         Err(_) => return Ok(ProbeOutcome::ConnectFailed),
     };
     let _ = s.set_nodelay(true);
-    let req = format!("GET {path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: warmroute-health\r\nConnection: close\r\n\r\n", peer.host_header);
+    let auth = key.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: warmroute-health\r\n{auth}Connection: close\r\n\r\n", peer.host_header);
     let (r, _) = s.write_all(req.into_bytes()).await;
     r?;
     let mut head = Vec::with_capacity(256);
