@@ -95,7 +95,8 @@ impl std::fmt::Display for StartError {
                 }
                 Ok(())
             }
-            StartError::Io(e) => write!(f, "{e}"),
+            // Each line ends with a newline, as the configuration errors' do.
+            StartError::Io(e) => writeln!(f, "{e}"),
         }
     }
 }

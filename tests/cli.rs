@@ -227,6 +227,31 @@ fn check_reports_every_error_and_serve_refuses() {
 }
 
 #[test]
+fn a_start_failure_is_one_whole_line_on_stderr() {
+    let d = temp_dir("startio");
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--shm")
+        .arg(&d.0) // a directory: the segment cannot be created
+        .current_dir(&d.0)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.ends_with("Is a directory (os error 21)\n"), "{err:?}");
+    assert!(
+        err.contains("warmroute: cannot start:\nshared segment "),
+        "{err:?}"
+    );
+}
+
+#[test]
 fn a_second_router_on_the_same_port_is_refused_unless_takeover() {
     let d = temp_dir("port");
     let m = mock("m0");
