@@ -258,6 +258,9 @@ fn serve(source: ConfigSource, overrides: Overrides) -> ExitCode {
 
 /// How often the route files, server file and key file are checked for changes.
 const WATCH_INTERVAL: Duration = Duration::from_secs(1);
+/// How often peers given by name are looked up again (a pod's address changes when it
+/// restarts); a changed address reloads the configuration.
+const DNS_INTERVAL: Duration = Duration::from_secs(10);
 
 fn run_until_signalled(
     mut router: Router,
@@ -284,6 +287,7 @@ fn run_until_signalled(
     }
     let mut stamp = router.watch_stamp();
     let mut next_check = std::time::Instant::now() + WATCH_INTERVAL;
+    let mut next_dns = std::time::Instant::now() + DNS_INTERVAL;
     let code = loop {
         let wait = next_check.saturating_duration_since(std::time::Instant::now());
         match rx.recv_timeout(wait) {
@@ -295,6 +299,12 @@ fn run_until_signalled(
                     stamp = now;
                     tracing::info!("configuration files changed on disk; reloading");
                     reload(&mut router);
+                } else if std::time::Instant::now() >= next_dns {
+                    next_dns = std::time::Instant::now() + DNS_INTERVAL;
+                    if let Some(moved) = router.peer_moved() {
+                        tracing::info!(peer = moved, "a peer's name resolves elsewhere; reloading");
+                        reload(&mut router);
+                    }
                 }
             }
             Ok(SIGHUP) => {

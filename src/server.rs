@@ -374,12 +374,46 @@ impl Router {
         self.workers.drain(timeout);
     }
 
-    /// Drain and wait for every worker to stop.
+    /// A peer given by name whose name now resolves to another address (a restarted pod,
+    /// a moved service), as `route: host:port now a.b.c.d:port`; `None` when every name
+    /// still gives the address in use. A name that does not resolve now keeps its address.
+    /// Each name is looked up once.
+    pub fn peer_moved(&self) -> Option<String> {
+        self.peer_moved_with(crate::config::resolve_peer)
+    }
+
+    fn peer_moved_with(
+        &self,
+        resolve: impl Fn(&str, u16) -> Result<SocketAddr, String>,
+    ) -> Option<String> {
+        let mut looked_up = std::collections::HashMap::new();
+        for r in &self.config.routes {
+            for peer in r.pools.iter().flat_map(|p| &p.peers) {
+                if crate::config::is_ip_literal(&peer.host) {
+                    continue;
+                }
+                let now = looked_up
+                    .entry((peer.host.as_str(), peer.port))
+                    .or_insert_with(|| resolve(&peer.host, peer.port).ok());
+                if let Some(a) = *now {
+                    if a != peer.addr {
+                        return Some(format!(
+                            "{}: {}:{} now {a} (was {})",
+                            r.name, peer.host, peer.port, peer.addr
+                        ));
+                    }
+                }
+            }
+        }
+        None
+    }
+
     /// Every worker reopens its access-log file (after a rotation).
     pub fn reopen_logs(&self) {
         self.workers.reopen_logs();
     }
 
+    /// Drain and wait for every worker to stop.
     pub fn shutdown(self, timeout: Duration) {
         self.workers.drain(timeout);
         self.workers.join();
@@ -389,6 +423,47 @@ impl Router {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_peer_name_that_resolves_elsewhere_is_noticed() {
+        let shm = std::env::temp_dir().join(format!("warmroute-dns-{}", std::process::id()));
+        let route =
+            "peers = [ { host = \"localhost\", port = 9 }, { host = \"127.0.0.1\", port = 10 } ]\n";
+        let source = ConfigSource::Embedded {
+            server: Some(format!(
+                "listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nshm_path = \"{}\"\n",
+                shm.display()
+            )),
+            routes: vec![("r".into(), route.into())],
+        };
+        let overrides = Overrides {
+            workers: Some(1),
+            no_pin: true,
+            access_log: Some(crate::worker::AccessLogTarget::Off),
+            ..Overrides::default()
+        };
+        let router = Router::start(source, overrides).unwrap();
+        let looked_up = std::cell::RefCell::new(Vec::new());
+        let dns = |to: &'static str| {
+            let looked_up = &looked_up;
+            move |h: &str, p: u16| {
+                looked_up.borrow_mut().push(h.to_string());
+                Ok(SocketAddr::new(to.parse().unwrap(), p))
+            }
+        };
+        // The control: the name still gives the address in use.
+        assert_eq!(router.peer_moved_with(dns("127.0.0.1")), None);
+        let moved = router.peer_moved_with(dns("127.0.0.2"));
+        assert_eq!(
+            moved.as_deref(),
+            Some("r: localhost:9 now 127.0.0.2:9 (was 127.0.0.1:9)")
+        );
+        // The IP literal is never looked up; a failed lookup keeps the address.
+        assert!(looked_up.borrow().iter().all(|h| h == "localhost"));
+        assert_eq!(router.peer_moved_with(|_, _| Err("no answer".into())), None);
+        router.shutdown(Duration::from_secs(1));
+        let _ = std::fs::remove_file(&shm);
+    }
 
     #[test]
     fn worker_rows_leave_room_for_a_takeover_in_steps_of_64() {

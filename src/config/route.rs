@@ -1147,9 +1147,18 @@ fn parse_peer(v: &toml::Value, f: &str, d: &mut Diag) -> Option<PeerConfig> {
     })
 }
 
+/// Whether `host` is an address already (no name to look up again).
+pub fn is_ip_literal(host: &str) -> bool {
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    bare.parse::<std::net::IpAddr>().is_ok()
+}
+
 /// Resolves `host:port`, preferring an IPv4 address (backends and the mock listen on IPv4
 /// by default, and "localhost" often resolves to ::1 first).
-fn resolve(host: &str, port: u16) -> Result<SocketAddr, String> {
+pub fn resolve(host: &str, port: u16) -> Result<SocketAddr, String> {
     let host = host
         .strip_prefix('[')
         .and_then(|h| h.strip_suffix(']'))
