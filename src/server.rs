@@ -374,17 +374,17 @@ impl Router {
         self.workers.drain(timeout);
     }
 
-    /// A peer given by name whose name now resolves to another address (a restarted pod,
-    /// a moved service), as `route: host:port now a.b.c.d:port`; `None` when every name
-    /// still gives the address in use. A name that does not resolve now keeps its address.
-    /// Each name is looked up once.
+    /// A peer given by name whose name no longer gives the address in use (a restarted
+    /// pod, a moved service), as `route: host:port now a.b.c.d:port (was ...)`; `None` when
+    /// every name still gives the address in use among its answers. A name that does not
+    /// resolve now keeps its address. Each name is looked up once.
     pub fn peer_moved(&self) -> Option<String> {
-        self.peer_moved_with(crate::config::resolve_peer)
+        self.peer_moved_with(crate::config::resolve_peer_all)
     }
 
     fn peer_moved_with(
         &self,
-        resolve: impl Fn(&str, u16) -> Result<SocketAddr, String>,
+        resolve: impl Fn(&str, u16) -> Result<Vec<SocketAddr>, String>,
     ) -> Option<String> {
         let mut looked_up = std::collections::HashMap::new();
         for r in &self.config.routes {
@@ -394,11 +394,11 @@ impl Router {
                 }
                 let now = looked_up
                     .entry((peer.host.as_str(), peer.port))
-                    .or_insert_with(|| resolve(&peer.host, peer.port).ok());
-                if let Some(a) = *now {
-                    if a != peer.addr {
+                    .or_insert_with(|| resolve(&peer.host, peer.port).unwrap_or_default());
+                if let Some(first) = now.first() {
+                    if !now.contains(&peer.addr) {
                         return Some(format!(
-                            "{}: {}:{} now {a} (was {})",
+                            "{}: {}:{} now {first} (was {})",
                             r.name, peer.host, peer.port, peer.addr
                         ));
                     }
@@ -444,16 +444,24 @@ mod tests {
         };
         let router = Router::start(source, overrides).unwrap();
         let looked_up = std::cell::RefCell::new(Vec::new());
-        let dns = |to: &'static str| {
+        let dns = |to: &'static [&'static str]| {
             let looked_up = &looked_up;
             move |h: &str, p: u16| {
                 looked_up.borrow_mut().push(h.to_string());
-                Ok(SocketAddr::new(to.parse().unwrap(), p))
+                Ok(to
+                    .iter()
+                    .map(|ip| SocketAddr::new(ip.parse().unwrap(), p))
+                    .collect())
             }
         };
-        // The control: the name still gives the address in use.
-        assert_eq!(router.peer_moved_with(dns("127.0.0.1")), None);
-        let moved = router.peer_moved_with(dns("127.0.0.2"));
+        // The control: the name still gives the address in use, alone or among others
+        // (rotating answers do not reload).
+        assert_eq!(router.peer_moved_with(dns(&["127.0.0.1"])), None);
+        assert_eq!(
+            router.peer_moved_with(dns(&["127.0.0.3", "127.0.0.1"])),
+            None
+        );
+        let moved = router.peer_moved_with(dns(&["127.0.0.2"]));
         assert_eq!(
             moved.as_deref(),
             Some("r: localhost:9 now 127.0.0.2:9 (was 127.0.0.1:9)")

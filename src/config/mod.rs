@@ -28,8 +28,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use route::{
-    is_ip_literal, resolve as resolve_peer, valid_route_name, AffinityHash, MetricSpec, PeerConfig,
-    Pool, PrioBucket, RouteConfig, RouteOpts, DEFAULT_PEER_MAX_CONCURRENCY, MAX_PEERS_PER_ROUTE,
+    is_ip_literal, resolve_all as resolve_peer_all, valid_route_name, AffinityHash, MetricSpec,
+    PeerConfig, Pool, PrioBucket, RouteConfig, RouteOpts, DEFAULT_PEER_MAX_CONCURRENCY,
+    MAX_PEERS_PER_ROUTE,
 };
 pub use server::{
     BusyPoll, ServerConfig, ServerDefaults, DEFAULT_ADMIN_LISTEN, DEFAULT_LISTEN,

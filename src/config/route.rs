@@ -1156,23 +1156,54 @@ pub fn is_ip_literal(host: &str) -> bool {
     bare.parse::<std::net::IpAddr>().is_ok()
 }
 
-/// Resolves `host:port`, preferring an IPv4 address (backends and the mock listen on IPv4
-/// by default, and "localhost" often resolves to ::1 first).
+/// Resolves `host:port`: the lowest IPv4 address it gives, else the lowest address
+/// (backends and the mock listen on IPv4 by default, and "localhost" often resolves to ::1
+/// first; the lowest, so a name whose answers rotate keeps giving the same one).
 pub fn resolve(host: &str, port: u16) -> Result<SocketAddr, String> {
+    let addrs = resolve_all(host, port)?;
+    pick_address(&addrs).ok_or_else(|| "no address found".to_string())
+}
+
+/// Every address `host:port` gives.
+pub fn resolve_all(host: &str, port: u16) -> Result<Vec<SocketAddr>, String> {
     let host = host
         .strip_prefix('[')
         .and_then(|h| h.strip_suffix(']'))
         .unwrap_or(host);
-    let addrs: Vec<SocketAddr> = (host, port)
+    Ok((host, port)
         .to_socket_addrs()
         .map_err(|e| e.to_string())?
-        .collect();
-    addrs
-        .iter()
-        .find(|a| a.is_ipv4())
-        .or_else(|| addrs.first())
-        .copied()
-        .ok_or_else(|| "no address found".to_string())
+        .collect())
+}
+
+fn pick_address(addrs: &[SocketAddr]) -> Option<SocketAddr> {
+    let v4 = addrs.iter().filter(|a| a.is_ipv4()).min();
+    v4.or_else(|| addrs.iter().min()).copied()
+}
+
+#[cfg(test)]
+mod resolve_tests {
+    use super::*;
+
+    #[test]
+    fn the_lowest_ipv4_address_is_the_one_used_whatever_the_order() {
+        let a = |s: &str| s.parse::<SocketAddr>().unwrap();
+        let answers = [
+            a("10.0.0.9:80"),
+            a("[::1]:80"),
+            a("10.0.0.2:80"),
+            a("10.0.0.5:80"),
+        ];
+        let mut rotated = answers;
+        rotated.rotate_left(2);
+        assert_eq!(pick_address(&answers), Some(a("10.0.0.2:80")));
+        assert_eq!(pick_address(&rotated), Some(a("10.0.0.2:80")));
+        assert_eq!(
+            pick_address(&[a("[::2]:80"), a("[::1]:80")]),
+            Some(a("[::1]:80"))
+        );
+        assert_eq!(pick_address(&[]), None);
+    }
 }
 
 #[cfg(test)]
