@@ -106,10 +106,13 @@ impl std::fmt::Display for StartError {
 /// so they are sized well past the 1024-route limit; peers likewise past 1024 per route
 /// across a few large routes, with room for reloads (slots are never freed).
 /// Worker rows hold this router's workers and, during a takeover, those of the router it
-/// replaces: twice the worker count, in steps of 64 (so a small change of the count keeps
-/// the layout), 64 at least.
-fn segment_capacities(workers: usize) -> Capacities {
-    let rows = (2 * workers).max(1).div_ceil(64) * 64;
+/// replaces: twice the worker count or the CPU count, whichever is larger, in steps of 64
+/// (so a small change of the count keeps the layout), 64 at least. The CPU count, because a
+/// segment keeps the size its first router gave it for as long as takeovers share it: a
+/// router of 16 workers followed by one of 40 on a 48-CPU host would otherwise leave 64
+/// rows, too few for the next takeover of the 40.
+fn segment_capacities(workers: usize, cpus: usize) -> Capacities {
+    let rows = (2 * workers.max(cpus)).max(1).div_ceil(64) * 64;
     Capacities {
         workers: u32::try_from(rows)
             .unwrap_or(u32::MAX)
@@ -121,8 +124,8 @@ fn segment_capacities(workers: usize) -> Capacities {
 
 /// Open the segment sized for `workers`; when a live router (the one a takeover replaces)
 /// owns it with another worker capacity, share it as it is if its free rows suffice.
-fn open_segment(path: &std::path::Path, workers: usize) -> io::Result<Segment> {
-    let caps = segment_capacities(workers);
+fn open_segment(path: &std::path::Path, workers: usize, cpus: usize) -> io::Result<Segment> {
+    let caps = segment_capacities(workers, cpus);
     let seg = match Segment::open_or_create(path, caps) {
         Ok(seg) => seg,
         Err(e) if e.kind() == io::ErrorKind::AddrInUse => match Segment::open_existing(path) {
@@ -139,7 +142,9 @@ fn open_segment(path: &std::path::Path, workers: usize) -> io::Result<Segment> {
             io::ErrorKind::AddrInUse,
             format!(
                 "{workers} workers need {workers} free worker rows, but {owned} of its {rows} are \
-                 owned by live processes (a router still draining?)"
+                 owned by live processes (a router still draining, or one of more workers than \
+                 this segment was sized for: a router that starts on the segment alone, without \
+                 --takeover, sizes it anew)"
             ),
         ));
     }
@@ -245,7 +250,7 @@ impl Router {
                 "more workers than CPUs: workers share cores (one per core is the design)"
             );
         }
-        let seg = Arc::new(open_segment(&server.shm_path, workers).map_err(|e| {
+        let seg = Arc::new(open_segment(&server.shm_path, workers, cpus).map_err(|e| {
             StartError::Io(io::Error::new(
                 e.kind(),
                 format!("shared segment {}: {e}", server.shm_path.display()),
@@ -475,11 +480,17 @@ mod tests {
 
     #[test]
     fn worker_rows_leave_room_for_a_takeover_in_steps_of_64() {
-        let rows = |w| segment_capacities(w).workers;
+        let rows = |w| segment_capacities(w, 2).workers;
         assert_eq!([rows(1), rows(2), rows(32)], [64, 64, 64]);
         assert_eq!([rows(33), rows(64), rows(65)], [128, 128, 192]);
         assert_eq!(rows(4096), warmroute_shm::MAX_WORKERS);
+        // On a 48-CPU host a router of 16 workers leaves room for a takeover chain of
+        // routers up to 48 workers each.
+        assert_eq!(segment_capacities(16, 48).workers, 128);
         // What the routes and peers get does not depend on the worker count.
-        assert_eq!(segment_capacities(1).peers, segment_capacities(500).peers);
+        assert_eq!(
+            segment_capacities(1, 2).peers,
+            segment_capacities(500, 2).peers
+        );
     }
 }

@@ -350,7 +350,7 @@ fn requests_refused_before_a_peer_get_their_access_line_too() {
             addr,
             &chat(
                 &chat_body("x", false),
-                &format!("{key}x-mock-ttft-ms: 800\r\n"),
+                &format!("{key}x-mock-ttft-ms: 3000\r\n"),
             ),
         )
     });

@@ -107,7 +107,11 @@ fn upstream_closing_mid_stream_truncates_and_closes_the_client() {
         !text.ends_with("0\r\n\r\n"),
         "no terminating chunk: the client can tell the body is truncated"
     );
-    assert_eq!(inflight_total(&env, "r"), 0);
+    // The count drops just after the client has its last byte (and another worker may
+    // answer the count first).
+    eventually(Duration::from_secs(2), "in-flight back to 0", || {
+        inflight_total(&env, "r") == 0
+    });
 }
 
 #[test]
@@ -690,7 +694,11 @@ fn a_large_body_is_sent_whole_on_every_attempt() {
         }
     }
     assert!(retried > 0, "no request was retried");
-    assert_eq!(inflight_total(&env, "r"), 0);
+    // The count drops just after the client has its last byte (and another worker may
+    // answer the count first).
+    eventually(Duration::from_secs(2), "in-flight back to 0", || {
+        inflight_total(&env, "r") == 0
+    });
 }
 
 /// An engine behind its own key (vLLM's `--api-key`) wants it on `/v1/models` too, the
@@ -806,7 +814,11 @@ fn a_peers_answer_before_it_read_the_body_reaches_the_client() {
         &post_json("/r/v1/chat/completions", &chat_body("x", false), ""),
     );
     assert_eq!(r.status, 413);
-    assert_eq!(inflight_total(&env, "r"), 0);
+    // The count drops just after the client has its last byte (and another worker may
+    // answer the count first).
+    eventually(Duration::from_secs(2), "in-flight back to 0", || {
+        inflight_total(&env, "r") == 0
+    });
 }
 
 /// A peer may leave the reason phrase out of its status line (`HTTP/1.1 200` + CRLF), or

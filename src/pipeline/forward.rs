@@ -156,7 +156,6 @@ pub async fn exchange(
     t: &Timeouts,
     watch: &mut ClientWatch<'_>,
 ) -> Result<Exchanged, ExchangeError> {
-    let head_request = t.head_request;
     let pooled = pool.borrow_mut().take(peer.addr, now);
     let mut reused = pooled.is_some();
     let mut buf = buf;
@@ -167,17 +166,7 @@ pub async fn exchange(
     };
     loop {
         buf.clear();
-        match send_and_read_head(
-            &mut stream,
-            req,
-            body,
-            buf,
-            head_request,
-            t.first_byte,
-            watch,
-        )
-        .await
-        {
+        match send_and_read_head(&mut stream, req, body, buf, t, reused, watch).await {
             Ok((head, buf, start, interim, [first_byte_at, head_at], req)) => {
                 return Ok(Exchanged {
                     stream,
@@ -285,10 +274,11 @@ async fn send_and_read_head(
     req: Vec<u8>,
     body: &mut Option<Vec<u8>>,
     mut buf: Vec<u8>,
-    head_request: bool,
-    first_byte: Duration,
+    t: &Timeouts,
+    reused: bool,
     watch: &mut ClientWatch<'_>,
 ) -> Result<HeadResult, SendFailure> {
+    let (head_request, first_byte) = (t.head_request, t.first_byte);
     let gone = || SendError::Fatal(ExchangeError::ClientGone);
     let sent = match body.take() {
         None => {
@@ -303,12 +293,15 @@ async fn send_and_read_head(
             })
         }
     };
-    // A failed write is not the end: a peer that refuses a request before reading all of
-    // it (a 413 or 401 from a proxy in front of the engine) answers and closes, and its
-    // answer is already here to read. Nothing to read means it just closed (a stale pooled
-    // connection among them), as before. The connection is not reused either way.
+    // A failed write on a fresh connection is not the end: a peer that refuses a request
+    // before reading all of it (a 413 or 401 from a proxy in front of the engine) answers
+    // and closes, and its answer is already here to read; nothing to read means it just
+    // closed. On a pooled connection whatever is there may predate the request (a 408 sent
+    // when the peer closed it idle), so that one is sent again on a fresh connection, as
+    // before. A connection whose write failed is never pooled.
     let (req, send_failed) = match sent {
         Err(_) => return Err((gone(), buf, None)),
+        Ok((Err(_), req)) if reused => return Err((SendError::BeforeAnyByte, buf, Some(req))),
         Ok((Err(_), req)) => (req, true),
         Ok((Ok(_), req)) => (req, false),
     };

@@ -47,14 +47,10 @@ impl AccessLog {
     }
 
     fn to(out: Option<File>) -> AccessLog {
-        let regular = out
-            .as_ref()
-            .and_then(|f| f.metadata().ok())
-            .is_some_and(|m| m.file_type().is_file());
         AccessLog {
+            write_max: write_max(out.as_ref()),
             out,
             stalled: false,
-            write_max: if regular { usize::MAX } else { PIPE_BUF },
             buf: Vec::new(),
             dropped: 0,
         }
@@ -120,7 +116,10 @@ impl AccessLog {
             .append(true)
             .open(path)
         {
-            Ok(f) => self.out = Some(f),
+            Ok(f) => {
+                self.write_max = write_max(Some(&f));
+                self.out = Some(f);
+            }
             Err(e) => tracing::warn!(
                 path = %path.display(),
                 error = %e,
@@ -141,6 +140,19 @@ impl AccessLog {
 
     pub fn dropped(&self) -> u64 {
         self.dropped
+    }
+}
+
+/// The largest write that keeps lines whole next to other workers' writes: any size for a
+/// regular file (appends are atomic), `PIPE_BUF` for anything else.
+fn write_max(out: Option<&File>) -> usize {
+    let regular = out
+        .and_then(|f| f.metadata().ok())
+        .is_some_and(|m| m.file_type().is_file());
+    if regular {
+        usize::MAX
+    } else {
+        PIPE_BUF
     }
 }
 

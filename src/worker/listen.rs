@@ -56,14 +56,18 @@ pub fn bind_shared(
 /// outgoing one from the kernel's ephemeral range waiting out its TIME-WAIT, which no
 /// `--takeover` changes.
 fn in_use(addr: SocketAddr) -> String {
-    let mut probe = addr;
-    if probe.ip().is_unspecified() {
-        probe.set_ip(match addr {
-            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
-            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
-        });
-    }
-    if std::net::TcpStream::connect_timeout(&probe, std::time::Duration::from_millis(500)).is_ok() {
+    let listening = listening_on(addr.port()).unwrap_or_else(|| {
+        // No /proc/net: a connection tells, for the loopback address at least.
+        let mut probe = addr;
+        if probe.ip().is_unspecified() {
+            probe.set_ip(match addr {
+                SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+                SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+            });
+        }
+        std::net::TcpStream::connect_timeout(&probe, std::time::Duration::from_millis(500)).is_ok()
+    });
+    if listening {
         return format!(
             "{addr} is already served by another process (a running warmroute?); stop it, or \
              start with --takeover to replace it without downtime"
@@ -86,6 +90,33 @@ fn in_use(addr: SocketAddr) -> String {
     }
     msg.push_str("; or retry in a minute");
     msg
+}
+
+/// Whether a socket of this network namespace listens on `port`, on any address (which is
+/// what makes a bind of the port fail), from `/proc/net/tcp` and `tcp6`; `None` when
+/// neither can be read.
+fn listening_on(port: u16) -> Option<bool> {
+    let tables: Vec<String> = ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|p| std::fs::read_to_string(p).ok())
+        .collect();
+    if tables.is_empty() {
+        return None;
+    }
+    Some(tables.iter().any(|t| lists_listener(t, port)))
+}
+
+/// Whether a `/proc/net/tcp`-format table has a LISTEN (`0A`) row on `port`.
+fn lists_listener(table: &str, port: u16) -> bool {
+    table.lines().skip(1).any(|l| {
+        let mut f = l.split_whitespace();
+        let local = f.nth(1);
+        let state = f.nth(1);
+        let p = local
+            .and_then(|a| a.rsplit_once(':'))
+            .and_then(|(_, p)| u16::from_str_radix(p, 16).ok());
+        state == Some("0A") && p == Some(port)
+    })
 }
 
 /// `net.ipv4.ip_local_port_range` as read from /proc: two numbers.
@@ -138,6 +169,28 @@ mod tests {
         assert!(!msg.contains("--takeover"), "{msg}");
         // Ports the kernel hands to outgoing connections come from its ephemeral range.
         assert!(msg.contains("ephemeral range"), "{msg}");
+    }
+
+    #[test]
+    fn a_listener_on_one_address_is_named_for_a_bind_of_all_addresses() {
+        // Another service on 127.0.0.2 only: a router asking for 0.0.0.0 cannot have the
+        // port, and nothing answers on 127.0.0.1 (what a connection would have tried).
+        let other = TcpListener::bind("127.0.0.2:0").unwrap();
+        let port = other.local_addr().unwrap().port();
+        let all: SocketAddr = format!("0.0.0.0:{port}").parse().unwrap();
+        let err = bind_shared(all, 1, false).unwrap_err();
+        assert!(err.to_string().contains("already served"), "{err}");
+    }
+
+    #[test]
+    fn proc_net_tcp_rows_are_read_for_listeners() {
+        let table = "  sl  local_address rem_address   st tx_queue\n\
+           0: 0200007F:B267 00000000:0000 0A 00000000:00000000\n\
+           1: 0100007F:1F90 0100007F:9C40 06 00000000:00000000\n";
+        assert!(lists_listener(table, 0xB267));
+        // TIME-WAIT (06) on 8080 is not a listener; nor is a port absent from the table.
+        assert!(!lists_listener(table, 8080));
+        assert!(!lists_listener(table, 1));
     }
 
     #[test]

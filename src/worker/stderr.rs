@@ -31,7 +31,9 @@ pub(crate) fn open_stderr() -> Option<File> {
     }
     std::fs::OpenOptions::new()
         .append(true)
-        .custom_flags(libc::O_NONBLOCK)
+        // O_NOCTTY: a session leader without a controlling terminal must not get stderr's
+        // terminal as one (its ^C would then drain the router).
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
         .open("/proc/self/fd/2")
         .or_else(|_| dup_stderr())
         .ok()
@@ -83,8 +85,10 @@ impl Write for LogLine<'_> {
         Ok(buf.len())
     }
 
-    /// A line of up to `PIPE_BUF` (4 KiB) goes into a pipe whole or not at all; a longer one
-    /// (a backtrace) can be cut where the pipe filled.
+    /// A line of up to `PIPE_BUF` (4 KiB) goes into a pipe whole or not at all. A longer one
+    /// (a backtrace under `RUST_BACKTRACE=1`) can be cut where the pipe filled, and the next
+    /// line then continues it: the partial write filled the pipe, so not even a newline
+    /// would fit to end it.
     fn write_all(&mut self, mut buf: &[u8]) -> io::Result<()> {
         let Some(mut f) = self.0 else {
             return io::stderr().write_all(buf);
