@@ -237,15 +237,17 @@ fn status(config: Option<PathBuf>, shm: Option<PathBuf>) -> ExitCode {
     }
 }
 
+/// The signals `run_until_signalled` acts on, caught from here on.
+fn install_signals() -> Option<signal_hook::iterator::Signals> {
+    signal_hook::iterator::Signals::new([SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1])
+        .map_err(|e| eprintln!("warmroute: cannot install signal handlers: {e}"))
+        .ok()
+}
+
 fn serve(source: ConfigSource, overrides: Overrides) -> ExitCode {
-    let signals =
-        match signal_hook::iterator::Signals::new([SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1]) {
-            Ok(s) => s,
-            Err(e) => {
-                eprintln!("warmroute: cannot install signal handlers: {e}");
-                return ExitCode::FAILURE;
-            }
-        };
+    let Some(signals) = install_signals() else {
+        return ExitCode::FAILURE;
+    };
     let router = match Router::start(source, overrides) {
         Ok(r) => r,
         Err(e) => {
@@ -350,14 +352,9 @@ fn reload(router: &mut Router) {
 }
 
 fn demo(overrides: Overrides) -> ExitCode {
-    let signals =
-        match signal_hook::iterator::Signals::new([SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1]) {
-            Ok(s) => s,
-            Err(e) => {
-                eprintln!("warmroute: cannot install signal handlers: {e}");
-                return ExitCode::FAILURE;
-            }
-        };
+    let Some(signals) = install_signals() else {
+        return ExitCode::FAILURE;
+    };
     let listen = overrides
         .listen
         .unwrap_or_else(|| "127.0.0.1:8080".parse().expect("literal"));

@@ -106,6 +106,25 @@ fn spawn_serve_to(config: &Path, extra: &[&str], stderr: Stdio) -> Child {
         .unwrap()
 }
 
+/// Start a router with `--takeover` (and `extra`) on `old`'s server file, wait for `old` to
+/// drain and exit cleanly, and return the new one.
+fn take_over(old: &mut Proc, dir: &Path, extra: &[&str]) -> Proc {
+    let mut args = extra.to_vec();
+    args.push("--takeover");
+    let child = spawn_serve(&dir.join("warmroute.toml"), &args);
+    let new = Proc {
+        child,
+        public: old.public,
+        admin: old.admin,
+        shm: old.shm.clone(),
+    };
+    let status = old
+        .wait_exit(Duration::from_secs(15))
+        .expect("the old router drains and exits");
+    assert!(status.success());
+    new
+}
+
 fn start_serve(dir: &Path) -> Proc {
     start_serve_with(dir, "", &[])
 }
@@ -932,17 +951,7 @@ fn takeover_replaces_a_running_router_without_failing_a_request() {
     };
     std::thread::sleep(Duration::from_millis(300));
     // The new router on the same config (ports and segment), with --takeover.
-    let child = spawn_serve(&d.0.join("warmroute.toml"), &["--takeover"]);
-    let new = Proc {
-        child,
-        public,
-        admin: old.admin,
-        shm: old.shm.clone(),
-    };
-    let status = old
-        .wait_exit(Duration::from_secs(15))
-        .expect("the old router drains and exits");
-    assert!(status.success());
+    let new = take_over(&mut old, &d.0, &[]);
     std::thread::sleep(Duration::from_millis(300));
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (ok, failed) = loader.join().unwrap();
@@ -1020,17 +1029,7 @@ fn a_takeover_loses_no_request_of_busy_keep_alive_clients() {
         })
         .collect();
     std::thread::sleep(Duration::from_millis(300));
-    let child = spawn_serve(&d.0.join("warmroute.toml"), &["--takeover"]);
-    let new = Proc {
-        child,
-        public,
-        admin: old.admin,
-        shm: old.shm.clone(),
-    };
-    let status = old
-        .wait_exit(Duration::from_secs(15))
-        .expect("the old router drains and exits");
-    assert!(status.success());
+    let new = take_over(&mut old, &d.0, &[]);
     std::thread::sleep(Duration::from_millis(300));
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (mut ok, mut told, mut lost) = (0, 0, Vec::new());
@@ -1071,20 +1070,7 @@ fn a_takeover_between_routers_of_more_than_32_workers_finds_rows_for_both() {
         .status
     };
     assert_eq!(chat(), 200);
-    let child = spawn_serve(
-        &d.0.join("warmroute.toml"),
-        &["--workers", "40", "--takeover"],
-    );
-    let mut new = Proc {
-        child,
-        public: old.public,
-        admin: old.admin,
-        shm: old.shm.clone(),
-    };
-    let status = old
-        .wait_exit(Duration::from_secs(15))
-        .expect("the old router drains and exits");
-    assert!(status.success());
+    let mut new = take_over(&mut old, &d.0, &["--workers", "40"]);
     assert!(
         new.child.try_wait().unwrap().is_none(),
         "the new router exited"

@@ -204,6 +204,15 @@ fn metrics_follow_traffic_and_pass_promtool() {
     promtool_check(&text);
 }
 
+/// The access log file's lines, parsed.
+fn access_lines(log: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 #[test]
 fn responses_cut_short_are_counted_by_who_cut_them_and_logged_with_their_end() {
     let m = mock("m0");
@@ -275,13 +284,7 @@ fn responses_cut_short_are_counted_by_who_cut_them_and_logged_with_their_end() {
     assert_eq!(cut("peer"), 1.0);
 
     // One access line per request, each saying how it ended.
-    let lines = || -> Vec<serde_json::Value> {
-        std::fs::read_to_string(&log)
-            .unwrap_or_default()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
-    };
+    let lines = || access_lines(&log);
     eventually(Duration::from_secs(3), "four access lines", || {
         lines().len() == 4
     });
@@ -363,13 +366,7 @@ fn requests_refused_before_a_peer_get_their_access_line_too() {
     );
     assert_eq!(slow.join().unwrap().status, 200);
 
-    let lines = || -> Vec<serde_json::Value> {
-        std::fs::read_to_string(&log)
-            .unwrap_or_default()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
-    };
+    let lines = || access_lines(&log);
     eventually(Duration::from_secs(3), "six access lines", || {
         lines().len() == 6
     });
