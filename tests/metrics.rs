@@ -365,13 +365,50 @@ fn requests_refused_before_a_peer_get_their_access_line_too() {
         429
     );
     assert_eq!(slow.join().unwrap().status, 200);
+    // Refused before any route: a route that does not exist, and a head that does not
+    // parse. Neither has a route; the malformed one has no method or path either.
+    assert_eq!(
+        request(addr, &post_json("/nope/v1/chat/completions", "{}", "")).status,
+        404
+    );
+    assert_eq!(request(addr, b"BLAH\r\n\r\n").status, 400);
+    // The router's own endpoints are not logged (scraped and probed all day).
+    assert_eq!(request(env.admin(), &get("/healthz")).status, 200);
+    // Every request to the route counts, the refused ones (401, 413) included.
+    let (_, series) = scrape(&env);
+    assert_eq!(val(&series, r#"warmroute_requests_total{route="r"}"#), 6.0);
 
     let lines = || access_lines(&log);
-    eventually(Duration::from_secs(3), "six access lines", || {
-        lines().len() == 6
+    eventually(Duration::from_secs(3), "eight access lines", || {
+        lines().len() == 8
     });
+    let unrouted: Vec<(u64, String, String)> = lines()
+        .iter()
+        .filter(|l| l["route"].is_null())
+        .map(|l| {
+            (
+                l["status"].as_u64().unwrap(),
+                l["method"].as_str().unwrap_or("-").to_string(),
+                l["path"].as_str().unwrap_or("-").to_string(),
+            )
+        })
+        .collect();
+    let mut unrouted = unrouted;
+    unrouted.sort();
+    assert_eq!(
+        unrouted,
+        [
+            (400, "-".to_string(), "-".to_string()),
+            (
+                404,
+                "POST".to_string(),
+                "/nope/v1/chat/completions".to_string()
+            ),
+        ]
+    );
     let mut got: Vec<(u64, String, String, String)> = lines()
         .iter()
+        .filter(|l| !l["route"].is_null())
         .map(|l| {
             (
                 l["status"].as_u64().unwrap(),

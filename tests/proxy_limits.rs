@@ -194,3 +194,163 @@ fn garbage_bytes_never_take_the_process_down() {
         200
     );
 }
+
+/// Send `raw` on `s` and read one response (`head`: the request was HEAD).
+fn exchange(r: &mut BufReader<std::net::TcpStream>, raw: &[u8], head: bool) -> Resp {
+    r.get_mut().write_all(raw).unwrap();
+    read_response(r, head).unwrap()
+}
+
+#[test]
+fn the_routers_own_answers_to_head_carry_no_body() {
+    // A body after a HEAD answer is read by the client as the start of the next response:
+    // each HEAD below is followed by a GET on the same connection, which must come out
+    // whole.
+    let m = mock("m0");
+    let env = start(&[("r", route_for(&[m.addr()], ""))], "");
+    let cases: [(std::net::SocketAddr, &str, u16); 4] = [
+        (env.admin(), "/metrics", 200),
+        (env.admin(), "/healthz", 200),
+        (env.public(), "/nope/v1/models", 404),
+        (env.public(), "/r/_route_state", 200),
+    ];
+    for (addr, path, status) in cases {
+        let mut r = BufReader::new(connect(addr));
+        let got = exchange(
+            &mut r,
+            format!("HEAD {path} HTTP/1.1\r\nHost: t\r\n\r\n").as_bytes(),
+            true,
+        );
+        assert_eq!(got.status, status, "HEAD {path}");
+        // The length of the body a GET would get is announced.
+        let len: usize = got.header("content-length").unwrap().parse().unwrap();
+        assert!(len > 0, "HEAD {path}");
+        let next = exchange(
+            &mut r,
+            format!("GET {path} HTTP/1.1\r\nHost: t\r\n\r\n").as_bytes(),
+            false,
+        );
+        assert_eq!(next.status, status, "GET {path} after HEAD");
+        assert!(!next.body.is_empty(), "GET {path} after HEAD");
+    }
+    // A proxied HEAD was already right; it stays so (the control: the peer's length).
+    let mut r = BufReader::new(connect(env.public()));
+    let got = exchange(
+        &mut r,
+        b"HEAD /r/v1/models HTTP/1.1\r\nHost: t\r\n\r\n",
+        true,
+    );
+    assert_eq!(got.status, 200);
+    let next = exchange(
+        &mut r,
+        b"GET /r/v1/models HTTP/1.1\r\nHost: t\r\n\r\n",
+        false,
+    );
+    assert_eq!(next.status, 200);
+    assert!(next.json()["data"].is_array());
+}
+
+#[test]
+fn a_peer_length_sent_next_to_chunked_does_not_reach_the_client() {
+    let b = raw_backend(
+        vec![b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n".to_vec()],
+        usize::MAX,
+    );
+    let env = start(&[("r", route_for(&[b.addr], ""))], "");
+    let mut r = BufReader::new(connect(env.public()));
+    let got = exchange(&mut r, b"GET /r/v1/x HTTP/1.1\r\nHost: t\r\n\r\n", false);
+    assert_eq!((got.status, got.body.as_slice()), (200, &b"ok"[..]));
+    assert_eq!(got.header("content-length"), None, "{:?}", got.headers);
+    assert!(got
+        .header("transfer-encoding")
+        .is_some_and(|v| v.contains("chunked")));
+    // The connection is still in step.
+    let next = exchange(&mut r, b"GET /r/v1/x HTTP/1.1\r\nHost: t\r\n\r\n", false);
+    assert_eq!((next.status, next.body.as_slice()), (200, &b"ok"[..]));
+}
+
+#[test]
+fn an_absolute_form_target_is_proxied_by_its_path_and_other_codings_get_501() {
+    let m = mock("m0");
+    let env = start(&[("r", route_for(&[m.addr()], ""))], "");
+    // As a client configured with the router as its HTTP proxy sends it.
+    let got = request(
+        env.public(),
+        b"GET http://llm.internal/r/v1/models HTTP/1.1\r\nHost: llm.internal\r\n\r\n",
+    );
+    assert_eq!(got.status, 200);
+    assert!(got.json()["data"].is_array());
+    // A coding besides chunked would reach the peer undone (the router de-chunks).
+    let body = b"{\"model\":\"m\",\"messages\":[]}";
+    for te in ["gzip, chunked", "chunked, chunked"] {
+        let mut raw = format!(
+            "POST /r/v1/chat/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: {te}\r\n\r\n{:x}\r\n",
+            body.len()
+        )
+        .into_bytes();
+        raw.extend_from_slice(body);
+        raw.extend_from_slice(b"\r\n0\r\n\r\n");
+        assert_eq!(request(env.public(), &raw).status, 501, "{te}");
+    }
+    // The control: chunked alone is proxied.
+    let mut raw = format!(
+        "POST /r/v1/chat/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n",
+        body.len()
+    )
+    .into_bytes();
+    raw.extend_from_slice(body);
+    raw.extend_from_slice(b"\r\n0\r\n\r\n");
+    assert_eq!(request(env.public(), &raw).status, 200);
+}
+
+#[test]
+fn unknown_routes_and_oversize_bare_requests_are_answered_before_the_body() {
+    let m = mock("m0");
+    let env = start(
+        &[
+            (
+                "small",
+                route_for(&[m.addr()], "max_body_size = \"1k\"\nmodels = [\"a\"]\n"),
+            ),
+            (
+                "large",
+                route_for(&[m.addr()], "max_body_size = \"2k\"\nmodels = [\"b\"]\n"),
+            ),
+        ],
+        "",
+    );
+    let ask = |path: &str, len: usize| {
+        let mut s = connect(env.public());
+        s.write_all(
+            format!("POST {path} HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: {len}\r\n\r\n")
+                .as_bytes(),
+        )
+        .unwrap();
+        let mut r = BufReader::new(s);
+        read_response(&mut r, false).map(|resp| resp.status)
+    };
+    // A mistyped route with a long prompt: 404 at once, not 413 and not 100 Continue.
+    assert_eq!(ask("/nope/v1/chat/completions", 5 << 20).unwrap(), 404);
+    // A bare request larger than every model route's limit: 413 at once.
+    assert_eq!(ask("/v1/chat/completions", 3000).unwrap(), 413);
+    // The control: within the largest limit, the router asks for the body (100) and
+    // routes by the model in it.
+    let mut s = connect(env.public());
+    let body = br#"{"model":"b","messages":[{"role":"user","content":"hi"}]}"#;
+    s.write_all(
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    let mut first = [0u8; 25];
+    s.read_exact(&mut first).unwrap();
+    assert_eq!(&first, b"HTTP/1.1 100 Continue\r\n\r\n");
+    s.write_all(body).unwrap();
+    assert_eq!(
+        read_response(&mut BufReader::new(s), false).unwrap().status,
+        200
+    );
+}

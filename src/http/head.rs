@@ -534,6 +534,45 @@ fn transfer_encoding(headers: &Headers) -> Option<bool> {
     present.then(|| last.is_some_and(|t| t.eq_ignore_ascii_case(b"chunked")))
 }
 
+/// Whether `Transfer-Encoding` names `chunked` and nothing else. A request's body is
+/// de-chunked and forwarded with a length, so any other coding (`gzip, chunked`, or
+/// `chunked, chunked`) would reach the peer undone: such a request gets 501.
+fn chunked_only(headers: &Headers) -> bool {
+    let mut codings = 0;
+    for v in headers.all_known(Known::TRANSFER_ENCODING) {
+        for t in v.split(|&b| b == b',') {
+            let t = trim(t);
+            if t.is_empty() {
+                continue;
+            }
+            codings += 1;
+            if !t.eq_ignore_ascii_case(b"chunked") {
+                return false;
+            }
+        }
+    }
+    codings == 1
+}
+
+/// The path (and query) of an absolute-form target `http://authority/path?query`, or
+/// `None` when `target` is not one or has no path.
+fn absolute_form_path(target: &str) -> Option<&str> {
+    let b = target.as_bytes();
+    let rest = if b.len() > 7 && b[..7].eq_ignore_ascii_case(b"http://") {
+        &target[7..]
+    } else if b.len() > 8 && b[..8].eq_ignore_ascii_case(b"https://") {
+        &target[8..]
+    } else {
+        return None;
+    };
+    let slash = rest.find('/')?;
+    // The authority holds no query or fragment: `http://host?x/y` has no path.
+    if rest[..slash].contains(['?', '#']) || slash == 0 {
+        return None;
+    }
+    Some(&rest[slash..])
+}
+
 /// Parse a request head from the start of `buf`.
 pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
     // Left uninitialised: httparse writes the headers it finds, and filling all 100 slots
@@ -566,11 +605,18 @@ pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
     let (Some(method), Some(path), Some(minor)) = (req.method, req.path, req.version) else {
         return Err(HeadError::Malformed("malformed request line"));
     };
-    if !path.starts_with('/') {
-        return Err(HeadError::Malformed(
-            "request target must be an absolute path",
-        ));
-    }
+    // The absolute form (`GET http://host/route/v1/models`, as a client configured with
+    // the router as its HTTP proxy sends it) is served by its path (RFC 9112 §3.2.2); the
+    // host it names is the router itself.
+    let path = match absolute_form_path(path) {
+        Some(p) => p,
+        None if path.starts_with('/') => path,
+        None => {
+            return Err(HeadError::Malformed(
+                "request target must be an absolute path or an http:// URI with a path",
+            ))
+        }
+    };
     let method_span = offset_in(raw, method);
     let target_span = offset_in(raw, path);
     let headers = Headers::from_parsed(raw, req.headers);
@@ -587,8 +633,8 @@ pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
                 "Transfer-Encoding in an HTTP/1.0 request",
             ))
         }
-        (Some(true), None) => BodyFraming::Chunked,
-        (Some(false), None) => return Err(HeadError::UnsupportedCoding),
+        (Some(true), None) if chunked_only(&headers) => BodyFraming::Chunked,
+        (Some(_), None) => return Err(HeadError::UnsupportedCoding),
         (None, Some(0)) | (None, None) => BodyFraming::None,
         (None, Some(n)) => BodyFraming::Length(n),
     };
@@ -1024,11 +1070,28 @@ mod tests {
             .unwrap_err(),
             HeadError::BadFraming(_)
         ));
+        // Only `chunked` alone: the body is de-chunked and sent on with a length, so
+        // any other coding in the list would reach the peer undone.
+        for te in ["gzip, chunked", "chunked, chunked", "identity, chunked"] {
+            assert_eq!(
+                req(&format!(
+                    "POST / HTTP/1.1\r\nTransfer-Encoding: {te}\r\n\r\n"
+                ))
+                .unwrap_err(),
+                HeadError::UnsupportedCoding,
+                "{te}"
+            );
+        }
         assert_eq!(
-            req("POST / HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n")
+            req("POST / HTTP/1.1\r\nTransfer-Encoding: Chunked\r\n\r\n")
                 .unwrap()
                 .body,
             BodyFraming::Chunked
+        );
+        assert_eq!(
+            req("POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n")
+                .unwrap_err(),
+            HeadError::UnsupportedCoding
         );
         assert_eq!(
             req("POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n").unwrap_err(),
@@ -1076,10 +1139,29 @@ mod tests {
         for bad in [
             "GARBAGE\r\n\r\n",
             "GET / HTTP/2.0\r\n\r\n",
-            "GET http://x/ HTTP/1.1\r\n\r\n",
+            "GET http://x HTTP/1.1\r\n\r\n",
+            "GET http://x?a/b HTTP/1.1\r\n\r\n",
+            "GET http:///a HTTP/1.1\r\n\r\n",
+            "GET ftp://x/a HTTP/1.1\r\n\r\n",
+            "OPTIONS * HTTP/1.1\r\n\r\n",
             "GET / HTTP/1.1\r\nBad Header\r\n\r\n",
         ] {
             assert!(req(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn an_absolute_form_target_is_served_by_its_path() {
+        for (line, target) in [
+            (
+                "GET http://llm.internal/r/v1/models HTTP/1.1",
+                "/r/v1/models",
+            ),
+            ("GET HTTPS://h:8080/r/v1/x?a=b HTTP/1.1", "/r/v1/x?a=b"),
+            ("POST http://h/ HTTP/1.1", "/"),
+        ] {
+            let h = req(&format!("{line}\r\nHost: h\r\n\r\n")).unwrap();
+            assert_eq!(h.target(), target, "{line}");
         }
     }
 

@@ -150,7 +150,10 @@ impl ProxyError {
             ProxyError::Forbidden(m) => (*m).into(),
             ProxyError::BadParam(m) => m.clone(),
             ProxyError::Unauthorized => "missing or invalid api key".into(),
-            ProxyError::ModelNotSupported { model, .. } => match model {
+            ProxyError::ModelNotSupported { model, supported } => match model {
+                _ if supported.is_empty() => {
+                    "no route lists models: send the request to /<route>/v1/...".into()
+                }
                 Some(m) => format!("model '{m}' is not served here"),
                 None => "the request names no model this route serves".into(),
             },
@@ -267,6 +270,19 @@ pub fn json_response(status: u16, body: &Value, extra: &[(&str, &str)], close: b
     out.extend_from_slice(b"\r\n");
     out.extend_from_slice(&body);
     out
+}
+
+/// The answer to `head`'s request as it goes on the wire: a response to HEAD keeps its
+/// status line and headers, `Content-Length` included, and drops its body (RFC 9110
+/// §9.3.2). A client reading a body after a HEAD answer would take it for the next
+/// response on the connection.
+pub fn for_request(head: &crate::http::RequestHead, mut resp: Vec<u8>) -> Vec<u8> {
+    if head.method_bytes() == b"HEAD" {
+        if let Some(end) = resp.windows(4).position(|w| w == b"\r\n\r\n") {
+            resp.truncate(end + 4);
+        }
+    }
+    resp
 }
 
 /// A complete response with a plain-text body.

@@ -135,6 +135,7 @@ pub async fn serve_client(ctx: Rc<WorkerCtx>, stream: TcpStream, addr: SocketAdd
                 return;
             }
             HeadRead::Refuse(e) => {
+                unparsed_access_log(&ctx, e.status());
                 let resp = json_response(e.status(), &e.body(None), e.headers(), true);
                 if conn.write_all_bytes(resp).await.is_ok() {
                     conn.linger_close().await;
@@ -186,33 +187,64 @@ async fn handle_request(
             proxy(ctx, conn, &head, &snap, Entry::Bare(target)).await
         }
         (_, d) => {
-            let body = match conn
-                .read_body(
-                    &head,
-                    ENDPOINT_BODY_BYTES_MAX,
-                    BODY_READ_TIMEOUT,
-                    &ctx.bodies,
-                )
-                .await
-            {
-                Ok(b) => b,
-                Err(e) => return refuse(conn, &e, None, false).await,
+            // Only a route's debug endpoints read a body (overrides, toggles). Anything
+            // else is answered from the head: a long prompt sent to a mistyped route gets
+            // its 404 at once, not a 413 or a 404 after the upload. The body is then left
+            // unread and the connection closes.
+            let reads_body = matches!(d, Dispatch::Debug { .. });
+            let body = if reads_body {
+                match conn
+                    .read_body(
+                        &head,
+                        ENDPOINT_BODY_BYTES_MAX,
+                        BODY_READ_TIMEOUT,
+                        &ctx.bodies,
+                    )
+                    .await
+                {
+                    Ok(b) => b,
+                    Err(e) => return refuse(conn, &head, &e, None, false).await,
+                }
+            } else {
+                Bytes::new()
             };
+            // A client's request to a route that does not exist gets its access line (the
+            // router's own endpoints, scraped and probed all day, do not).
+            if let (PortKind::Public, Dispatch::UnknownRoute { .. }) = (kind, &d) {
+                let started = Instant::now();
+                Refused::early(None, None, 0).write(
+                    ctx,
+                    &head,
+                    ProxyError::UnknownRoute { known: Vec::new() }.status(),
+                    &RelayStats::default(),
+                    relay::END_COMPLETE,
+                    started,
+                );
+            }
             let loopback = crate::admin::is_local_admin(conn.addr);
             let resp = crate::admin::answer(ctx, &snap, d, kind, &head, &body, loopback);
-            let keep = head.keep_alive && !ctx.drain.is_fired();
-            conn.write_all_bytes(resp.into_bytes(keep)).await.is_ok() && keep
+            let body_unread = !reads_body && head.body != crate::http::BodyFraming::None;
+            let keep = head.keep_alive && !ctx.drain.is_fired() && !body_unread;
+            let resp = error_response::for_request(&head, resp.into_bytes(keep));
+            conn.write_all_bytes(resp).await.is_ok() && keep
         }
     }
 }
 
 /// Answer with an error; returns whether the connection may continue.
-async fn refuse(conn: &mut ClientConn, e: &ProxyError, route: Option<&str>, keep: bool) -> bool {
+async fn refuse(
+    conn: &mut ClientConn,
+    head: &RequestHead,
+    e: &ProxyError,
+    route: Option<&str>,
+    keep: bool,
+) -> bool {
     if matches!(e, ProxyError::ClientGone) {
         return false;
     }
     let keep = keep && !e.closes();
     let resp = json_response(e.status(), &e.body(route), e.headers(), !keep);
+    let resp = error_response::for_request(head, resp);
     conn.write_all_bytes(resp).await.is_ok() && keep
 }
 
@@ -282,8 +314,27 @@ async fn prepare<'a>(
             })
         }
         Entry::Bare(target) => {
+            // The route comes from the body's model, so its limit is not known yet: the
+            // bound before reading is the largest limit of a route that lists models, so a
+            // body no route would take gets 413 before it is read, as on a route's path.
+            let Some(limit) = snap
+                .routes
+                .iter()
+                .filter(|r| !r.models_sorted.is_empty())
+                .map(|r| r.cfg.opts.max_body_size.min(ceiling))
+                .max()
+            else {
+                return Err((
+                    ProxyError::ModelNotSupported {
+                        model: None,
+                        supported: Vec::new(),
+                    },
+                    None,
+                    None,
+                ));
+            };
             let body = conn
-                .read_body(head, ceiling, BODY_READ_TIMEOUT, &ctx.bodies)
+                .read_body(head, limit, BODY_READ_TIMEOUT, &ctx.bodies)
                 .await
                 .map_err(|e| (e, None, None))?;
             let fields = session_id::parse_body(&body);
@@ -369,9 +420,15 @@ async fn proxy(
     let mut p = match prepare(ctx, conn, head, snap, entry).await {
         Ok(p) => p,
         Err((e, route, owner)) => {
+            if let Some(r) = route {
+                seg.route_cell(r.slot, cells::route::REQUESTS)
+                    .fetch_add(1, Relaxed);
+            }
             // A refusal before the body was read leaves it on the wire: close then.
-            let body_unread = matches!(e, ProxyError::Unauthorized)
-                && head.body != crate::http::BodyFraming::None;
+            // (No route lists models: a bare request is refused from its head.)
+            let body_unread = matches!(&e, ProxyError::Unauthorized)
+                || matches!(&e, ProxyError::ModelNotSupported { supported, .. } if supported.is_empty());
+            let body_unread = body_unread && head.body != crate::http::BodyFraming::None;
             let log = Refused::early(route.map(|r| &**r), owner.as_deref(), 0);
             let keep = keep_client() && !body_unread;
             return refuse_logged(ctx, conn, head, &e, keep, log, started).await;
@@ -408,6 +465,7 @@ async fn proxy(
         };
         let log = Refused::early(Some(route), p.owner.as_deref(), req_bytes);
         log.write(ctx, head, 200, &stats, relay::END_COMPLETE, started);
+        let out = error_response::for_request(head, out);
         return conn.write_all_bytes(out).await.is_ok() && keep;
     }
 
@@ -991,7 +1049,7 @@ async fn proxy(
     }
     let (status, keep, stats, routed, end) = match phase {
         Phase::Failed(e, routed) => {
-            let keep = refuse(conn, &e, Some(route.name()), keep_client()).await;
+            let keep = refuse(conn, head, &e, Some(route.name()), keep_client()).await;
             let end = if matches!(e, ProxyError::ClientGone) {
                 relay::END_CLIENT_GONE
             } else {
@@ -1430,12 +1488,17 @@ fn client_head(
     out.extend_from_slice(b"\r\n");
     let listed = up.headers.connection_names_headers();
     let reframed = client != ClientFraming::Passthrough;
+    // A peer that sent `Content-Length` next to `Transfer-Encoding: chunked` is read as
+    // chunked (RFC 9112 §6.3); the length goes, or a client trusting it would lose its
+    // place in the connection.
+    let chunked_peer = up.framing == ResponseFraming::Chunked;
     up.headers.write_lines(out, |name, _| {
         !(is_hop_by_hop(name)
             || (listed && up.headers.connection_lists(name))
             // Re-framed bodies carry our framing, not the peer's.
             || (reframed
                 && (name_is(name, b"transfer-encoding") || name_is(name, b"content-length")))
+            || (chunked_peer && name_is(name, b"content-length"))
             // A peer's own routing headers never reach the client: ours describe this hop.
             || (name.len() > 9 && name_is(&name[..9], b"x-routed-")))
     });
@@ -1538,7 +1601,7 @@ async fn refuse_logged(
     log: Refused<'_>,
     started: Instant,
 ) -> bool {
-    let keep = refuse(conn, e, log.route.map(RouteRt::name), keep).await;
+    let keep = refuse(conn, head, e, log.route.map(RouteRt::name), keep).await;
     let end = if matches!(e, ProxyError::ClientGone) {
         relay::END_CLIENT_GONE
     } else {
@@ -1546,6 +1609,38 @@ async fn refuse_logged(
     };
     log.write(ctx, head, e.status(), &RelayStats::default(), end, started);
     keep
+}
+
+/// The access line of a request refused before its head could be used (malformed, too
+/// large, an unsupported transfer coding, or not complete in time): the same fields, with
+/// no method or path.
+fn unparsed_access_log(ctx: &WorkerCtx, status: u16) {
+    let mut log = ctx.access_log.borrow_mut();
+    if !log.enabled() {
+        return;
+    }
+    log.line(|l| {
+        l.thousandths("ts", warmroute_shm::now_ms());
+        l.opt_str("route", None);
+        l.opt_str("method", None);
+        l.opt_str("path", None);
+        l.u64("status", status.into());
+        l.str("session", "-");
+        l.str("source", "none");
+        l.opt_str("mode", None);
+        l.opt_str("peer", None);
+        l.u64("retries", 0);
+        l.u64("request_bytes", 0);
+        l.u64("response_bytes", 0);
+        l.opt_thousandths("ttft_ms", None);
+        l.opt_u64("prompt_tokens", None);
+        l.opt_u64("cached_tokens", None);
+        l.opt_u64("completion_tokens", None);
+        l.thousandths("total_ms", 0);
+        l.str("end", relay::END_COMPLETE);
+        l.opt_str("owner", None);
+        l.u64("worker", ctx.index as u64);
+    });
 }
 
 fn access_log(ctx: &WorkerCtx, e: &AccessEntry<'_>) {
