@@ -177,16 +177,50 @@ fn bodylog_listen(args: &[String]) -> ExitCode {
     }
 }
 
+/// What `check` says about the key file: a warning when it is missing (taken as
+/// deliberate: `serve` runs without keys), an error when it is there and gives no key
+/// (`serve` would run fail-open on a file that was meant to hold keys).
+fn check_key_file(c: &warmroute::config::Config) -> (Vec<String>, Vec<String>) {
+    use warmroute::auth::{load_key_file, KeyFileStatus};
+    let Some(path) = c.server.api_keys_file.as_deref() else {
+        return (Vec::new(), Vec::new());
+    };
+    let kf = load_key_file(Some(path));
+    let at = format!("api_keys_file {}", path.display());
+    let open = "routes without their own api_keys would accept every request (fail-open)";
+    match kf.status {
+        KeyFileStatus::Ok | KeyFileStatus::Unset => (Vec::new(), Vec::new()),
+        KeyFileStatus::Missing => (vec![format!("{at}: missing; {open}")], Vec::new()),
+        KeyFileStatus::Empty => (Vec::new(), vec![format!("{at}: holds no key; {open}")]),
+        KeyFileStatus::Unreadable => (
+            Vec::new(),
+            vec![format!("{at}: present but unreadable; {open}")],
+        ),
+    }
+}
+
 fn check(config: Option<PathBuf>) -> ExitCode {
     match warmroute::config::load(config.as_deref()) {
         Ok(c) => {
-            for w in &c.warnings {
+            let (key_warnings, key_errors) = check_key_file(&c);
+            for w in c
+                .warnings
+                .iter()
+                .map(ToString::to_string)
+                .chain(key_warnings)
+            {
                 println!("warning: {w}");
             }
-            for e in &c.soft_errors {
+            let errors: Vec<String> = c
+                .soft_errors
+                .iter()
+                .map(ToString::to_string)
+                .chain(key_errors)
+                .collect();
+            for e in &errors {
                 println!("error: {e}");
             }
-            if c.soft_errors.is_empty() {
+            if errors.is_empty() {
                 println!(
                     "ok: {} route(s): {}",
                     c.routes.len(),
@@ -198,7 +232,7 @@ fn check(config: Option<PathBuf>) -> ExitCode {
                 );
                 ExitCode::SUCCESS
             } else {
-                println!("{} error(s)", c.soft_errors.len());
+                println!("{} error(s)", errors.len());
                 ExitCode::FAILURE
             }
         }

@@ -284,7 +284,7 @@ pub fn compile_report(list: &[toml::Value]) -> (RuleSet, Vec<RuleError>) {
                 None
             }
         };
-        match compile_node(item, "") {
+        match compile_node(item, "", &mut soft) {
             Ok(node) => {
                 for reason in soft {
                     errors.push(RuleError {
@@ -314,7 +314,13 @@ pub fn compile_report(list: &[toml::Value]) -> (RuleSet, Vec<RuleError>) {
 
 /// Compiles one node; `at` is its position inside the rule (`""` at the top, else like
 /// `all[1].any[0]`), prefixed to the reason.
-fn compile_node(v: &toml::Value, at: &str) -> Result<Node, String> {
+/// Keys a rule's top-level table may hold, and a nested condition's.
+const RULE_KEYS: [&str; 8] = [
+    "name", "status", "message", "all", "any", "field", "op", "value",
+];
+const CONDITION_KEYS: [&str; 5] = ["all", "any", "field", "op", "value"];
+
+fn compile_node(v: &toml::Value, at: &str, soft: &mut Vec<String>) -> Result<Node, String> {
     let here = |reason: String| {
         if at.is_empty() {
             reason
@@ -328,6 +334,23 @@ fn compile_node(v: &toml::Value, at: &str) -> Result<Node, String> {
             crate::config::toml_type_name(v)
         )));
     };
+    // A typo (`stauts = 403`) would otherwise leave the default in force, silently.
+    let known: &[&str] = if at.is_empty() {
+        &RULE_KEYS
+    } else {
+        &CONDITION_KEYS
+    };
+    for key in t.keys().filter(|k| !known.contains(&k.as_str())) {
+        soft.push(here(
+            match crate::config::near_key(key, known.iter().copied()) {
+                Some(k) => format!("unknown key {key:?} ignored (did you mean {k:?}?)"),
+                None => format!(
+                    "unknown key {key:?} ignored (expected one of: {})",
+                    known.join(", ")
+                ),
+            },
+        ));
+    }
     // `all` wins over `any`, and a group over leaf keys (as the reference).
     for (key, all) in [("all", true), ("any", false)] {
         let Some(children) = t.get(key) else {
@@ -349,7 +372,7 @@ fn compile_node(v: &toml::Value, at: &str) -> Result<Node, String> {
             } else {
                 format!("{at}.{key}[{j}]")
             };
-            nodes.push(compile_node(child, &child_at)?);
+            nodes.push(compile_node(child, &child_at, soft)?);
         }
         return Ok(if all {
             Node::All(nodes)
@@ -1251,6 +1274,32 @@ value = "x"
             .message
             .contains("expected a table, found an integer"));
         assert!(errs[1].message.contains("field \"\" names no key"));
+    }
+
+    #[test]
+    fn unknown_keys_in_a_rule_are_reported_and_the_rule_kept() {
+        let t: toml::Table = r#"reject_rules = [
+            { name = "a", field = "model", op = "eq", value = "x", stauts = 403 },
+            { name = "b", any = [ { field = "model", op = "eq", value = "y", colour = 1 } ] },
+            { name = "c", field = "model", op = "eq", value = "z", status = 403 },
+        ]"#
+        .parse()
+        .unwrap();
+        let (set, errs) = compile_report(t["reject_rules"].as_array().unwrap());
+        assert_eq!(set.len(), 3, "the rules are kept");
+        let got: Vec<(usize, bool)> = errs.iter().map(|e| (e.index, e.dropped)).collect();
+        assert_eq!(got, [(1, false), (2, false)], "{errs:#?}");
+        assert!(
+            errs[0].message.contains("\"stauts\"")
+                && errs[0].message.contains("did you mean \"status\"?"),
+            "{}",
+            errs[0].message
+        );
+        assert!(
+            errs[1].message.contains("any[0]: unknown key \"colour\""),
+            "{}",
+            errs[1].message
+        );
     }
 
     #[test]

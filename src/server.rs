@@ -61,6 +61,9 @@ pub struct Router {
     overrides: Overrides,
     generation: u64,
     pub config: Arc<Config>,
+    /// The keys in force (kept across a reload that finds the key file empty or
+    /// unreadable).
+    keys: Arc<KeyFile>,
 }
 
 fn apply_overrides(mut c: Config, o: &Overrides) -> Config {
@@ -258,7 +261,7 @@ impl Router {
         })?);
         let keys = Arc::new(load_keys(&config, false));
         let snapshot = Arc::new(
-            Snapshot::build(config.clone(), keys, &seg, 1)
+            Snapshot::build(config.clone(), keys.clone(), &seg, 1)
                 .map_err(|e| StartError::Io(io::Error::other(e)))?,
         );
         let opts = StartOptions {
@@ -290,6 +293,7 @@ impl Router {
             overrides,
             generation: 1,
             config,
+            keys,
         })
     }
 
@@ -320,12 +324,31 @@ impl Router {
             fresh.server.shm_path = old.shm_path.clone();
         }
         let fresh = Arc::new(fresh);
-        let keys = Arc::new(load_keys(
+        let mut keys = Arc::new(load_keys(
             &fresh,
             self.config.server.api_keys_file.is_none(),
         ));
-        let snap =
-            Snapshot::build(fresh.clone(), keys, &self.seg, self.generation + 1).map_err(|e| {
+        // A key file that was read and is now empty or unreadable is taken for a write in
+        // progress (an editor truncating it first) or a broken mount, not for a decision to
+        // drop authentication: the keys in force stay. Fail-open is for a router that never
+        // had keys; a file removed on purpose (missing) still turns the keys off.
+        if matches!(
+            keys.status,
+            KeyFileStatus::Empty | KeyFileStatus::Unreadable
+        ) && self.keys.status == KeyFileStatus::Ok
+            && keys.path == self.keys.path
+        {
+            tracing::error!(
+                path = %keys.path.as_deref().map(|p| p.display().to_string()).unwrap_or_default(),
+                status = keys.status.as_str(),
+                kept = self.keys.table.len(),
+                "API key file is now {}: keeping the keys loaded before",
+                keys.status.as_str()
+            );
+            keys = self.keys.clone();
+        }
+        let snap = Snapshot::build(fresh.clone(), keys.clone(), &self.seg, self.generation + 1)
+            .map_err(|e| {
                 vec![ConfigError {
                     file: PathBuf::from("(segment)"),
                     field: "peers".into(),
@@ -334,6 +357,7 @@ impl Router {
             })?;
         self.generation += 1;
         self.config = fresh;
+        self.keys = keys;
         self.workers.publish(Arc::new(snap));
         tracing::info!(
             generation = self.generation,

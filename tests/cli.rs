@@ -246,6 +246,64 @@ fn check_reports_every_error_and_serve_refuses() {
 }
 
 #[test]
+fn check_reads_the_key_file_and_rule_typos() {
+    let d = temp_dir("checkkeys");
+    std::fs::write(
+        d.0.join("routes/a.toml"),
+        "peers = [ { host = \"127.0.0.1\", port = 7000 } ]\n[[reject_rules]]\nfield = \"model\"\nop = \"eq\"\nvalue = \"x\"\nstauts = 403\n",
+    )
+    .unwrap();
+    let keys = d.0.join("keys");
+    let cfg = server_file_with(
+        &d.0,
+        free_port(),
+        free_port(),
+        &d.0.join("seg"),
+        &format!("api_keys_file = \"{}\"\n", keys.display()),
+    );
+    let check = || {
+        let out = Command::new(BIN)
+            .args(["check", "--config"])
+            .arg(&cfg)
+            .env_remove("WARMROUTE_API_KEYS_FILE")
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    // A key file that gives no key, and a typo in a rule: both are errors.
+    std::fs::write(&keys, "# keys go here\n").unwrap();
+    let (code, text) = check();
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("holds no key"), "{text}");
+    assert!(
+        text.contains("reject_rules[0]") && text.contains("did you mean \"status\"?"),
+        "{text}"
+    );
+    // A missing key file is a warning (serve runs without keys, on purpose).
+    std::fs::write(
+        d.0.join("routes/a.toml"),
+        "peers = [ { host = \"127.0.0.1\", port = 7000 } ]\n",
+    )
+    .unwrap();
+    std::fs::remove_file(&keys).unwrap();
+    let (code, text) = check();
+    assert_eq!(code, Some(0), "{text}");
+    assert!(
+        text.contains("warning: api_keys_file") && text.contains("missing"),
+        "{text}"
+    );
+    // The control: a good key file, no word about it.
+    std::fs::write(&keys, "k1:alice\n").unwrap();
+    let (code, text) = check();
+    assert_eq!(code, Some(0), "{text}");
+    assert!(!text.contains("api_keys_file"), "{text}");
+    assert!(text.contains("ok: 1 route(s): a"), "{text}");
+}
+
+#[test]
 fn a_start_failure_is_one_whole_line_on_stderr() {
     let d = temp_dir("startio");
     let out = Command::new(BIN)
@@ -874,6 +932,56 @@ fn a_missing_key_file_fails_open_and_says_so() {
         request(p.public, &get("/locked/_health_status")).json()["_meta"]["route_auth_enabled"],
         true
     );
+}
+
+#[test]
+fn a_key_file_emptied_on_a_running_router_keeps_the_keys_in_force() {
+    // An editor or a script that truncates the file before writing it leaves it empty for
+    // a moment; a reload then must not open every route.
+    let d = temp_dir("emptykeys");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let keys = d.0.join("keys");
+    std::fs::write(&keys, "k1:alice\n").unwrap();
+    let log = d.0.join("stderr.log");
+    let p = start_serve_spawning(
+        &d.0,
+        &format!("api_keys_file = \"{}\"\n", keys.display()),
+        |cfg| {
+            let f = std::fs::File::create(&log).unwrap();
+            spawn_serve_to(cfg, &[], f.into())
+        },
+    );
+    let text = || std::fs::read_to_string(&log).unwrap_or_default();
+    let no_key = || {
+        request(
+            p.public,
+            &post_json("/a/v1/chat/completions", &chat_body("x", false), ""),
+        )
+        .status
+    };
+    assert_eq!(no_key(), 401);
+    std::fs::write(&keys, "").unwrap();
+    p.signal("HUP");
+    eventually(Duration::from_secs(5), "the reload logged", || {
+        text().contains("keeping the keys loaded before")
+    });
+    for _ in 0..4 {
+        assert_eq!(no_key(), 401, "an empty key file opened the route");
+        assert_eq!(chat_with_key(&p, "a", "k1", "").status, 200);
+    }
+    // The control: a key file removed on purpose turns the keys off (fail-open, as at
+    // start), and a new file is taken as it is.
+    std::fs::remove_file(&keys).unwrap();
+    p.signal("HUP");
+    eventually(Duration::from_secs(5), "keys off", || {
+        (0..4).all(|_| no_key() == 200)
+    });
+    std::fs::write(&keys, "k2:bob\n").unwrap();
+    p.signal("HUP");
+    eventually(Duration::from_secs(5), "new keys", || {
+        (0..4).all(|_| no_key() == 401 && chat_with_key(&p, "a", "k2", "").status == 200)
+    });
 }
 
 #[test]

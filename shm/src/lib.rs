@@ -849,6 +849,17 @@ impl Segment {
             .banned_until_ms
             .store(until_ms, Ordering::Relaxed);
     }
+    /// Ban until `until_ms`, and say whether this call is the one that banned the peer
+    /// (it was not banned at `now_ms`). One swap, so when several workers ban the same
+    /// peer at once (all of them failing to connect to it), exactly one is told so and the
+    /// ban is counted and logged once.
+    pub fn ban_from(&self, p: PeerSlot, now_ms: u64, until_ms: u64) -> bool {
+        let before = self
+            .peer(p)
+            .banned_until_ms
+            .swap(until_ms, Ordering::Relaxed);
+        before <= now_ms
+    }
     pub fn unban(&self, p: PeerSlot) {
         self.peer(p).banned_until_ms.store(0, Ordering::Relaxed);
     }

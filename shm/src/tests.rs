@@ -498,6 +498,39 @@ fn bans() {
 }
 
 #[test]
+fn a_ban_has_one_banner_under_contention() {
+    // Every worker that fails to connect to a down peer bans it; the ban is one
+    // transition, counted once.
+    let t = TempPath::new("ban-mt");
+    let s = Arc::new(Segment::open_or_create(&t.0, small()).unwrap());
+    let p = s.peer_slot("p").unwrap();
+    for round in 0..200u64 {
+        let now = 10_000 + round * 1_000; // the previous round's ban has expired
+        let barrier = Arc::new(std::sync::Barrier::new(8));
+        let hs: Vec<_> = (0..8u64)
+            .map(|w| {
+                let s = Arc::clone(&s);
+                let barrier = Arc::clone(&barrier);
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    s.ban_from(p, now, now + 500 + w)
+                })
+            })
+            .collect();
+        let banners = hs
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .filter(|&b| b)
+            .count();
+        assert_eq!(banners, 1, "round {round}");
+        assert!(s.is_banned(p, now + 499));
+    }
+    // The control: a peer still banned is not banned anew; an expired ban is.
+    assert!(!s.ban_from(p, 1, 5_000));
+    assert!(s.ban_from(p, 6_000, 7_000));
+}
+
+#[test]
 #[should_panic]
 fn cell_index_out_of_range_panics() {
     let t = TempPath::new("oob");

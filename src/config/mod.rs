@@ -17,6 +17,7 @@ mod route;
 mod server;
 mod value;
 
+pub(crate) use value::near_key;
 pub(crate) use value::type_name as toml_type_name;
 
 #[cfg(test)]

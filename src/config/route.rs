@@ -194,7 +194,8 @@ pub struct RouteOpts {
     /// Raw rule tables, as the route file gives them (shown by `/_route_opts`).
     pub reject_rules: Vec<toml::Value>,
     /// `reject_rules` compiled by `crate::rules` at load; invalid rules are left out (and
-    /// reported as soft errors `reject_rules[<i>]`, 1-based like the rule names `rule<i>`).
+    /// reported as soft errors `reject_rules[<i>]`, counted from 0 like every other list
+    /// position; the default rule names `rule<i>` count from 1, as the reference's).
     pub reject_rules_compiled: Arc<RuleSet>,
     pub reject_rules_status: u16,
     pub reject_rules_enabled: bool,
@@ -516,7 +517,7 @@ impl RouteOpts {
                     Some(a) => {
                         let (set, problems) = rules::compile_report(a);
                         for p in problems {
-                            d.soft(&format!("{field}[{}]", p.index), p.message);
+                            d.soft(&format!("{field}[{}]", p.index - 1), p.message);
                         }
                         self.reject_rules = a.to_vec();
                         self.reject_rules_compiled = Arc::new(set);
@@ -654,7 +655,11 @@ impl RouteOpts {
                 self.adaptive_cc_slack_frac = (self.adaptive_cc_pressure_frac * 0.8).min(0.7);
             }
         }
-        if self.max_body_size > server.max_body_size_ceiling {
+        if self.max_body_size > server.max_body_size_ceiling && !set("max_body_size") {
+            // The default (10 MiB) is never above the server's ceiling (SPEC §3.2): a
+            // lower ceiling lowers the routes that do not set their own limit.
+            self.max_body_size = server.max_body_size_ceiling;
+        } else if self.max_body_size > server.max_body_size_ceiling {
             d.error(
                 "max_body_size",
                 format!(
@@ -1056,6 +1061,17 @@ fn parse_peers(v: &toml::Value, field: &str, d: &mut Diag) -> Option<Vec<PeerCon
                     format!("duplicate peer name {:?} in this pool", peer.name),
                 );
             }
+            // A peer's in-flight count, ban and EWMAs live in the segment by address: two
+            // entries for one backend would share them, and each request would count twice.
+            if let Some((j, other)) = out.iter().enumerate().find(|(_, p)| p.addr == peer.addr) {
+                d.error(
+                    &join(&f, "port"),
+                    format!(
+                        "{} is also {field}[{j}] ({:?}): one backend listed twice in a pool",
+                        peer.addr, other.name
+                    ),
+                );
+            }
             out.push(peer);
         }
     }
@@ -1211,7 +1227,7 @@ mod reject_rules_tests {
     use std::path::PathBuf;
 
     /// One valid and one invalid rule: the route loads with the valid rule compiled, and the
-    /// invalid one is a soft error naming the file and `reject_rules[2]`.
+    /// invalid one is a soft error naming the file and `reject_rules[1]`.
     #[test]
     fn invalid_reject_rule_is_a_soft_error_and_the_route_loads() {
         let route = r#"
@@ -1246,7 +1262,7 @@ value = "x"
         assert_eq!(c.soft_errors.len(), 1, "{:?}", c.soft_errors);
         let e = &c.soft_errors[0];
         assert_eq!(e.file, PathBuf::from("(embedded)/r.toml"));
-        assert_eq!(e.field, "reject_rules[2]");
+        assert_eq!(e.field, "reject_rules[1]");
         assert!(
             e.message.contains("\"broken\"") && e.message.contains("unknown op \"like\""),
             "{e}"
@@ -1263,7 +1279,7 @@ value = "x"
         let bad = format!("{base}reject_rules = [ {{ all = [] }} ]\n");
         let c = crate::config::load_from_strs(None, &[("r", &bad)]).unwrap();
         assert!(c.routes[0].opts.reject_rules_compiled.is_empty());
-        assert_eq!(c.soft_errors[0].field, "reject_rules[1]");
+        assert_eq!(c.soft_errors[0].field, "reject_rules[0]");
         assert!(c.soft_errors[0].message.contains("\"rule1\" dropped"));
     }
 }

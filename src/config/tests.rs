@@ -511,8 +511,15 @@ fn max_body_size_above_ceiling() {
     );
     // Control: a higher ceiling admits it.
     assert!(strs(Some("max_body_size_ceiling = \"1g\""), &[("r", &route)]).is_ok());
-    // The default 10m route does not fit under a 1m ceiling.
-    let e = strs(Some("max_body_size_ceiling = \"1m\""), &[("r", MIN_ROUTE)]).unwrap_err();
+    // A route that does not set its limit takes the default (10m) cut to the ceiling
+    // (SPEC §3.2: "never above the server ceiling"); only a limit it sets is an error.
+    let c = strs(Some("max_body_size_ceiling = \"1m\""), &[("r", MIN_ROUTE)]).unwrap();
+    assert_eq!(c.routes[0].opts.max_body_size, 1 << 20);
+    let e = strs(
+        Some("max_body_size_ceiling = \"1m\""),
+        &[("r", &format!("{MIN_ROUTE}\nmax_body_size = \"2m\""))],
+    )
+    .unwrap_err();
     assert_eq!(fields(&e), ["max_body_size"]);
 }
 
@@ -861,4 +868,22 @@ fn shipped_example_routes_are_valid() {
     assert_eq!(ex.pools[0].peers.len(), 3);
     let bm = c.route("by-model").unwrap();
     assert!(bm.by_model());
+}
+
+#[test]
+fn one_backend_listed_twice_in_a_pool_is_an_error() {
+    // Named apart, the same address: the two would share one in-flight slot.
+    let e = errs(
+        r#"peers = [ { host = "127.0.0.1", port = 8000, name = "x" }, { host = "127.0.0.1", port = 8000, name = "y" } ]"#,
+    );
+    assert_eq!(fields(&e), ["peers[1].port"]);
+    assert!(e[0].message.contains("peers[0]") && e[0].message.contains("\"x\""));
+    // The control: another port is another backend; and one address in two sub-pools is
+    // allowed (each pool has its own slots).
+    assert!(one(
+        r#"peers = [ { host = "127.0.0.1", port = 8000, name = "x" }, { host = "127.0.0.1", port = 8001, name = "y" } ]"#,
+    )
+    .is_ok());
+    let by_model = "[peers_by_model]\na = [ { host = \"127.0.0.1\", port = 8000 } ]\nb = [ { host = \"127.0.0.1\", port = 8000 } ]";
+    assert!(one(by_model).is_ok(), "{:?}", one(by_model).err());
 }

@@ -151,8 +151,7 @@ fn apply(ctx: &WorkerCtx, route: &RouteRt, p: &PeerRt, outcome: ProbeOutcome, to
         }
         HealthVerdict::Busy => {}
         HealthVerdict::Failed => {
-            seg.ban(p.slot, now + route.cfg.opts.health_ban_ttl * 1000);
-            if !was_banned {
+            if seg.ban_from(p.slot, now, now + route.cfg.opts.health_ban_ttl * 1000) {
                 seg.peer_cell(p.slot, peer::BANS).fetch_add(1, Relaxed);
                 tracing::warn!(route = route.name(), peer = %p.name, addr = %p.addr, ?outcome, "peer banned by health check");
             }
@@ -164,9 +163,7 @@ fn apply(ctx: &WorkerCtx, route: &RouteRt, p: &PeerRt, outcome: ProbeOutcome, to
 pub fn ban_on_connect_failure(ctx: &WorkerCtx, route: &RouteRt, p: &PeerRt) {
     let seg = &ctx.shared.seg;
     let now = warmroute_shm::now_ms();
-    let was_banned = seg.is_banned(p.slot, now);
-    seg.ban(p.slot, now + route.cfg.opts.health_ban_ttl * 1000);
-    if !was_banned {
+    if seg.ban_from(p.slot, now, now + route.cfg.opts.health_ban_ttl * 1000) {
         seg.peer_cell(p.slot, peer::BANS).fetch_add(1, Relaxed);
         tracing::warn!(route = route.name(), peer = %p.name, addr = %p.addr, "peer banned: connect failed while proxying");
     }
