@@ -334,7 +334,7 @@ fn run_until_signalled(
                 if now != stamp {
                     stamp = now;
                     tracing::info!("configuration files changed on disk; reloading");
-                    reload(&mut router);
+                    log_refused(router.reload_on_change());
                 } else if std::time::Instant::now() >= next_dns {
                     next_dns = std::time::Instant::now() + DNS_INTERVAL;
                     if let Some(moved) = router.peer_moved() {
@@ -374,7 +374,11 @@ fn run_until_signalled(
 }
 
 fn reload(router: &mut Router) {
-    if let Err(errs) = router.reload() {
+    log_refused(router.reload());
+}
+
+fn log_refused(result: Result<(), Vec<warmroute::config::ConfigError>>) {
+    if let Err(errs) = result {
         for e in &errs {
             tracing::error!("reload refused: {e}");
         }

@@ -221,6 +221,15 @@ fn load_keys(config: &Config, was_unset: bool) -> KeyFile {
     kf
 }
 
+/// What asked for a reload.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ReloadCause {
+    /// SIGHUP (or a peer's name moving): the operator's word, applied when valid.
+    Signal,
+    /// A change on disk the watcher saw.
+    Watcher,
+}
+
 impl Router {
     pub fn start(source: ConfigSource, overrides: Overrides) -> Result<Router, StartError> {
         let config = source.load().map_err(StartError::Config)?;
@@ -308,7 +317,31 @@ impl Router {
     /// Re-read and validate everything; on any error keep the running config. Listener
     /// and segment settings need a restart (or a takeover) and are kept as they are.
     pub fn reload(&mut self) -> Result<(), Vec<ConfigError>> {
+        self.reload_from(ReloadCause::Signal)
+    }
+
+    /// `reload`, for a change the watcher saw on disk: one that leaves no route at all
+    /// while routes are served (a deploy that empties the directory before copying, an
+    /// `rsync --delete` half done) is not applied; SIGHUP applies it.
+    pub fn reload_on_change(&mut self) -> Result<(), Vec<ConfigError>> {
+        self.reload_from(ReloadCause::Watcher)
+    }
+
+    fn reload_from(&mut self, cause: ReloadCause) -> Result<(), Vec<ConfigError>> {
         let fresh = self.source.load()?;
+        if cause == ReloadCause::Watcher
+            && fresh.routes.is_empty()
+            && !self.config.routes.is_empty()
+        {
+            return Err(vec![ConfigError {
+                file: fresh.server.routes_dir.clone(),
+                field: "(routes)".into(),
+                message: format!(
+                    "no route file left (the running configuration has {}); a change on disk that removes every route is not applied: send SIGHUP to apply it",
+                    self.config.routes.len()
+                ),
+            }]);
+        }
         for w in fresh.warnings.iter().chain(&fresh.soft_errors) {
             tracing::warn!("{w}");
         }

@@ -985,6 +985,41 @@ fn a_key_file_emptied_on_a_running_router_keeps_the_keys_in_force() {
 }
 
 #[test]
+fn a_routes_directory_emptied_on_disk_is_not_applied_until_a_sighup() {
+    // A deploy that empties the directory before copying the new files, seen by the
+    // watcher halfway: every route would answer 404.
+    let d = temp_dir("emptyroutes");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let log = d.0.join("stderr.log");
+    let p = start_serve_spawning(&d.0, "", |cfg| {
+        let f = std::fs::File::create(&log).unwrap();
+        spawn_serve_to(cfg, &[], f.into())
+    });
+    let text = || std::fs::read_to_string(&log).unwrap_or_default();
+    let status = || {
+        request(
+            p.public,
+            &post_json("/a/v1/chat/completions", &chat_body("x", false), ""),
+        )
+        .status
+    };
+    assert_eq!(status(), 200);
+    std::fs::remove_file(d.0.join("routes/a.toml")).unwrap();
+    eventually(Duration::from_secs(10), "the watcher's refusal", || {
+        text().contains("a change on disk that removes every route is not applied")
+    });
+    for _ in 0..4 {
+        assert_eq!(status(), 200, "the emptied directory was applied");
+    }
+    // The control: SIGHUP applies it.
+    p.signal("HUP");
+    eventually(Duration::from_secs(5), "no route after SIGHUP", || {
+        (0..4).all(|_| status() == 404)
+    });
+}
+
+#[test]
 fn route_files_and_a_swapped_key_secret_are_picked_up_without_a_signal() {
     let d = temp_dir("watch");
     let m = mock("m0");

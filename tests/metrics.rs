@@ -434,6 +434,10 @@ fn requests_refused_before_a_peer_get_their_access_line_too() {
             row(429, "alice", "s-1"),
         ]
     );
+    // The router's own answers count their bytes like a peer's.
+    for l in lines().iter().filter(|l| !l["route"].is_null()) {
+        assert!(l["response_bytes"].as_u64().unwrap() > 0, "{l}");
+    }
     let _ = std::fs::remove_file(&log);
 }
 

@@ -608,14 +608,14 @@ pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
     // The absolute form (`GET http://host/route/v1/models`, as a client configured with
     // the router as its HTTP proxy sends it) is served by its path (RFC 9112 §3.2.2); the
     // host it names is the router itself.
-    let path = match absolute_form_path(path) {
-        Some(p) => p,
-        None if path.starts_with('/') => path,
-        None => {
-            return Err(HeadError::Malformed(
-                "request target must be an absolute path or an http:// URI with a path",
-            ))
-        }
+    let path = if path.starts_with('/') {
+        path
+    } else if let Some(p) = absolute_form_path(path) {
+        p
+    } else {
+        return Err(HeadError::Malformed(
+            "request target must be an absolute path or an http:// URI with a path",
+        ));
     };
     let method_span = offset_in(raw, method);
     let target_span = offset_in(raw, path);

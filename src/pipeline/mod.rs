@@ -239,13 +239,33 @@ async fn refuse(
     route: Option<&str>,
     keep: bool,
 ) -> bool {
+    refuse_counted(conn, head, e, route, keep).await.0
+}
+
+/// `refuse`, also returning the bytes of body written (for the access line).
+async fn refuse_counted(
+    conn: &mut ClientConn,
+    head: &RequestHead,
+    e: &ProxyError,
+    route: Option<&str>,
+    keep: bool,
+) -> (bool, u64) {
     if matches!(e, ProxyError::ClientGone) {
-        return false;
+        return (false, 0);
     }
     let keep = keep && !e.closes();
     let resp = json_response(e.status(), &e.body(route), e.headers(), !keep);
+    let whole = resp.len();
     let resp = error_response::for_request(head, resp);
-    conn.write_all_bytes(resp).await.is_ok() && keep
+    let body = if resp.len() < whole {
+        0
+    } else {
+        resp.windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .map_or(0, |i| resp.len() - i - 4)
+    };
+    let sent = conn.write_all_bytes(resp).await.is_ok();
+    (sent && keep, if sent { body as u64 } else { 0 })
 }
 
 /// How the request entered: with a route prefix, or bare `/v1/...` routed by model.
@@ -1601,13 +1621,18 @@ async fn refuse_logged(
     log: Refused<'_>,
     started: Instant,
 ) -> bool {
-    let keep = refuse(conn, head, e, log.route.map(RouteRt::name), keep).await;
+    let (keep, body_bytes) =
+        refuse_counted(conn, head, e, log.route.map(RouteRt::name), keep).await;
     let end = if matches!(e, ProxyError::ClientGone) {
         relay::END_CLIENT_GONE
     } else {
         relay::END_COMPLETE
     };
-    log.write(ctx, head, e.status(), &RelayStats::default(), end, started);
+    let stats = RelayStats {
+        body_bytes,
+        ..RelayStats::default()
+    };
+    log.write(ctx, head, e.status(), &stats, end, started);
     keep
 }
 
