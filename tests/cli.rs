@@ -428,6 +428,65 @@ fn sighup_reloads_routes_and_keeps_the_old_config_on_errors() {
 }
 
 #[test]
+fn streams_cut_at_the_drain_deadline_get_their_access_lines() {
+    let d = temp_dir("draincut");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let log = d.0.join("access.log");
+    let mut p = start_serve_with(&d.0, "", &["--access-log", log.to_str().unwrap()]);
+    // Two streams far longer than SIGINT's 5 s drain, and one short one that ends in it.
+    let open = |tokens: u32, sid: &str| {
+        let mut s = connect(p.public);
+        s.write_all(&post_json(
+            "/a/v1/chat/completions",
+            &chat_body("x", true),
+            &format!(
+                "x-session-id: {sid}\r\nx-mock-tokens: {tokens}\r\nx-mock-interval-ms: 100\r\n"
+            ),
+        ))
+        .unwrap();
+        let mut r = BufReader::new(s);
+        let mut line = String::new();
+        r.read_line(&mut line).unwrap();
+        assert!(line.starts_with("HTTP/1.1 200"), "{line}");
+        r
+    };
+    let long = [open(600, "long-1"), open(600, "long-2")];
+    let short = open(10, "short");
+    p.signal("INT");
+    let status = p
+        .wait_exit(Duration::from_secs(10))
+        .expect("router exits at the drain deadline");
+    assert!(status.success(), "{status:?}");
+    drop((long, short));
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mut ends: Vec<(String, String)> = lines
+        .iter()
+        .map(|l| {
+            (
+                l["session"].as_str().unwrap_or("?").to_string(),
+                l["end"].as_str().unwrap_or("?").to_string(),
+            )
+        })
+        .collect();
+    ends.sort();
+    assert_eq!(
+        ends,
+        [
+            ("long-1".to_string(), "shutdown".to_string()),
+            ("long-2".to_string(), "shutdown".to_string()),
+            // The control: a stream that ended within the drain is complete.
+            ("short".to_string(), "complete".to_string()),
+        ],
+        "{lines:#?}"
+    );
+}
+
+#[test]
 fn sigterm_drains_in_flight_streams_then_exits() {
     let d = temp_dir("drain");
     let m = mock("m0");

@@ -909,6 +909,7 @@ async fn proxy(
                     idle_timeout: Duration::from_millis(opts.idle_timeout_ms),
                     head_at: ex.head_at,
                     event_stream,
+                    drain_deadline_ms: Some(&ctx.shared.drain_deadline_ms),
                 };
                 let mut stats = RelayStats {
                     capture: bodylog_capture(ctx, route, &p.body, inserted_at),
@@ -966,6 +967,7 @@ async fn proxy(
                         tracing::warn!(route = route.name(), peer = %routed.peer.name, why, "response truncated");
                         false
                     }
+                    RelayEnd::Shutdown => false,
                 };
                 if (200..300).contains(&ex.head.status) {
                     // On a 2xx, an SSE body (`postprocess::mode_for`) is exactly an event stream.

@@ -27,6 +27,8 @@ pub enum RelayEnd {
     /// The peer failed mid-body (closed early, timed out, broke framing). The client
     /// connection must close, since its response is truncated.
     UpstreamError(&'static str),
+    /// The router's drain deadline came first: the response is cut (and logged so).
+    Shutdown,
 }
 
 impl RelayEnd {
@@ -36,6 +38,7 @@ impl RelayEnd {
             RelayEnd::Done { .. } => END_COMPLETE,
             RelayEnd::ClientGone => END_CLIENT_GONE,
             RelayEnd::UpstreamError(_) => END_PEER_CUT,
+            RelayEnd::Shutdown => END_SHUTDOWN,
         }
     }
 }
@@ -45,6 +48,8 @@ impl RelayEnd {
 pub const END_COMPLETE: &str = "complete";
 pub const END_CLIENT_GONE: &str = "client_gone";
 pub const END_PEER_CUT: &str = "peer_cut";
+/// Cut by the router itself at the end of a drain (`drain_timeout_s`, SIGINT's 5 s).
+pub const END_SHUTDOWN: &str = "shutdown";
 
 /// What the relay measured.
 #[derive(Debug, Default)]
@@ -243,7 +248,7 @@ impl FilterChain {
     }
 }
 
-pub struct RelayPlan {
+pub struct RelayPlan<'a> {
     pub framing: ResponseFraming,
     pub client: ClientFraming,
     pub idle_timeout: Duration,
@@ -252,6 +257,11 @@ pub struct RelayPlan {
     /// An event stream: read into the small buffer from the start (events come a few
     /// at a time and the stream mostly waits), giving the head's full-size buffer back.
     pub event_stream: bool,
+    /// The router's drain deadline, ms since the epoch (0: not draining). A wait that
+    /// starts while the router drains ends there at the latest, so a response still going
+    /// at the deadline ends here, with its access line, instead of being dropped with the
+    /// worker.
+    pub drain_deadline_ms: Option<&'a std::sync::atomic::AtomicU64>,
 }
 
 /// Body state machine over the upstream bytes.
@@ -283,7 +293,7 @@ pub async fn relay(
     head_bytes: Vec<u8>,
     buf: Vec<u8>,
     start: usize,
-    plan: &RelayPlan,
+    plan: &RelayPlan<'_>,
     filters: &mut FilterChain,
     watch: &mut ClientWatch<'_>,
     stats: &mut RelayStats,
@@ -467,10 +477,20 @@ pub async fn relay(
         // write — not from the peer's last bytes: a client slow to take them is not an
         // idle peer (and on io_uring the read's first poll only submits it, so an
         // already passed deadline would win even with bytes waiting).
-        let deadline = monoio::time::Instant::now() + plan.idle_timeout;
+        let mut deadline = monoio::time::Instant::now() + plan.idle_timeout;
+        let drain_ms = plan
+            .drain_deadline_ms
+            .map_or(0, |d| d.load(std::sync::atomic::Ordering::Relaxed));
+        if drain_ms != 0 {
+            let left = drain_ms.saturating_sub(warmroute_shm::now_ms());
+            deadline = deadline.min(monoio::time::Instant::now() + Duration::from_millis(left));
+        }
         let read = std::pin::pin!(up.read(pending.slice_mut(0..cap)));
         let (res, slice) = match watch.race_until(Some(deadline), read).await {
             Err(Stopped::ClientGone) => return (RelayEnd::ClientGone, None),
+            Err(Stopped::TimedOut) if drain_ms != 0 && warmroute_shm::now_ms() >= drain_ms => {
+                return (RelayEnd::Shutdown, None)
+            }
             Err(Stopped::TimedOut) => {
                 return (
                     RelayEnd::UpstreamError("peer idle longer than the idle timeout"),
@@ -619,6 +639,7 @@ mod tests {
                 idle_timeout: Duration::from_secs(10),
                 head_at: Instant::now(),
                 event_stream: true,
+                drain_deadline_ms: None,
             };
             let mut stats = RelayStats::default();
             let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();

@@ -35,6 +35,9 @@ use crate::util::{race, Either};
 
 /// How often each worker looks at the snapshot channel, the drain flag and its heartbeat.
 const TICK: Duration = Duration::from_millis(50);
+/// How long after the drain deadline a worker waits for the responses cut there to write
+/// their access lines.
+const DRAIN_CUT_GRACE: Duration = Duration::from_millis(100);
 
 /// State every worker and the main thread share: atomics and the segment only.
 pub struct Shared {
@@ -290,8 +293,11 @@ fn worker_main(
                     ctx.drain.fire();
                     tracing::info!(worker = idx, conns = ctx.active_conns.get(), "draining");
                 }
+                // Responses still going at the deadline end there themselves (the relay
+                // waits no later) and log their line; a tick later the worker stops.
                 let deadline = shared.drain_deadline_ms.load(Ordering::Acquire);
-                if (ctx.active_conns.get() == 0 && ctx.accepting.get() == 0) || now >= deadline {
+                let past = deadline + DRAIN_CUT_GRACE.as_millis() as u64;
+                if (ctx.active_conns.get() == 0 && ctx.accepting.get() == 0) || now >= past {
                     break;
                 }
             }
