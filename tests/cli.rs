@@ -133,6 +133,34 @@ fn start_serve_with(dir: &Path, server_extra: &str, args: &[&str]) -> Proc {
     start_serve_spawning(dir, server_extra, |cfg| spawn_serve(cfg, args))
 }
 
+/// `serve` with `args`, its stderr in a file in `dir`; returns the process and a reader of
+/// that file (the router's log, and the access log with `--access-log stderr`).
+fn start_serve_logging(
+    dir: &Path,
+    server_extra: &str,
+    args: &'static [&'static str],
+) -> (Proc, impl Fn() -> String) {
+    let log = dir.join("stderr.log");
+    let p = start_serve_spawning(dir, server_extra, |cfg| {
+        let f = std::fs::File::create(&log).unwrap();
+        spawn_serve_to(cfg, args, f.into())
+    });
+    (p, move || std::fs::read_to_string(&log).unwrap_or_default())
+}
+
+/// Status of a chat request that carries no key.
+fn chat_status_without_key(p: &Proc, route: &str) -> u16 {
+    request(
+        p.public,
+        &post_json(
+            &format!("/{route}/v1/chat/completions"),
+            &chat_body("x", false),
+            "",
+        ),
+    )
+    .status
+}
+
 fn start_serve_spawning(dir: &Path, server_extra: &str, spawn: impl Fn(&Path) -> Child) -> Proc {
     // Ports come from binding :0 and letting go, so another test may take one before the
     // router binds it; the router then refuses to start. Try again on fresh ports.
@@ -711,12 +739,7 @@ fn access_lines_survive_in_a_stderr_file_opened_without_append_and_carry_no_colo
     let d = temp_dir("fileerr");
     let m = mock("m0");
     std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
-    let log = d.0.join("stderr.log");
-    let mut p = start_serve_spawning(&d.0, "", |cfg| {
-        let f = std::fs::File::create(&log).unwrap();
-        spawn_serve_to(cfg, &["--access-log", "stderr"], f.into())
-    });
-    let text = || std::fs::read_to_string(&log).unwrap_or_default();
+    let (mut p, text) = start_serve_logging(&d.0, "", &["--access-log", "stderr"]);
     let access_lines = || {
         text()
             .lines()
@@ -928,12 +951,7 @@ fn reloads_do_not_repeat_the_no_key_file_warning() {
     let d = temp_dir("reloadwarn");
     let m = mock("m0");
     std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
-    let log = d.0.join("stderr.log");
-    let p = start_serve_spawning(&d.0, "", |cfg| {
-        let f = std::fs::File::create(&log).unwrap();
-        spawn_serve_to(cfg, &[], f.into())
-    });
-    let text = || std::fs::read_to_string(&log).unwrap_or_default();
+    let (p, text) = start_serve_logging(&d.0, "", &[]);
     for generation in [2, 3] {
         p.signal("HUP");
         eventually(Duration::from_secs(5), "reloaded", || {
@@ -1002,23 +1020,12 @@ fn a_key_file_emptied_on_a_running_router_keeps_the_keys_in_force() {
     std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
     let keys = d.0.join("keys");
     std::fs::write(&keys, "k1:alice\n").unwrap();
-    let log = d.0.join("stderr.log");
-    let p = start_serve_spawning(
+    let (p, text) = start_serve_logging(
         &d.0,
         &format!("api_keys_file = \"{}\"\n", keys.display()),
-        |cfg| {
-            let f = std::fs::File::create(&log).unwrap();
-            spawn_serve_to(cfg, &[], f.into())
-        },
+        &[],
     );
-    let text = || std::fs::read_to_string(&log).unwrap_or_default();
-    let no_key = || {
-        request(
-            p.public,
-            &post_json("/a/v1/chat/completions", &chat_body("x", false), ""),
-        )
-        .status
-    };
+    let no_key = || chat_status_without_key(&p, "a");
     assert_eq!(no_key(), 401);
     std::fs::write(&keys, "").unwrap();
     p.signal("HUP");
@@ -1050,19 +1057,8 @@ fn a_routes_directory_emptied_on_disk_is_not_applied_until_a_sighup() {
     let d = temp_dir("emptyroutes");
     let m = mock("m0");
     std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
-    let log = d.0.join("stderr.log");
-    let p = start_serve_spawning(&d.0, "", |cfg| {
-        let f = std::fs::File::create(&log).unwrap();
-        spawn_serve_to(cfg, &[], f.into())
-    });
-    let text = || std::fs::read_to_string(&log).unwrap_or_default();
-    let status = || {
-        request(
-            p.public,
-            &post_json("/a/v1/chat/completions", &chat_body("x", false), ""),
-        )
-        .status
-    };
+    let (p, text) = start_serve_logging(&d.0, "", &[]);
+    let status = || chat_status_without_key(&p, "a");
     assert_eq!(status(), 200);
     std::fs::remove_file(d.0.join("routes/a.toml")).unwrap();
     eventually(Duration::from_secs(10), "the watcher's refusal", || {

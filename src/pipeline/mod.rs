@@ -255,17 +255,15 @@ async fn refuse_counted(
     }
     let keep = keep && !e.closes();
     let resp = json_response(e.status(), &e.body(route), e.headers(), !keep);
-    let whole = resp.len();
+    let head_len = resp
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(resp.len(), |i| i + 4);
+    // What `for_request` leaves of the body (none for HEAD).
     let resp = error_response::for_request(head, resp);
-    let body = if resp.len() < whole {
-        0
-    } else {
-        resp.windows(4)
-            .position(|w| w == b"\r\n\r\n")
-            .map_or(0, |i| resp.len() - i - 4)
-    };
+    let body = (resp.len() - head_len) as u64;
     let sent = conn.write_all_bytes(resp).await.is_ok();
-    (sent && keep, if sent { body as u64 } else { 0 })
+    (sent && keep, if sent { body } else { 0 })
 }
 
 /// How the request entered: with a route prefix, or bare `/v1/...` routed by model.
@@ -1071,13 +1069,18 @@ async fn proxy(
     }
     let (status, keep, stats, routed, end) = match phase {
         Phase::Failed(e, routed) => {
-            let keep = refuse(conn, head, &e, Some(route.name()), keep_client()).await;
+            let (keep, body_bytes) =
+                refuse_counted(conn, head, &e, Some(route.name()), keep_client()).await;
             let end = if matches!(e, ProxyError::ClientGone) {
                 relay::END_CLIENT_GONE
             } else {
                 relay::END_COMPLETE
             };
-            (e.status(), keep, RelayStats::default(), routed, end)
+            let stats = RelayStats {
+                body_bytes,
+                ..RelayStats::default()
+            };
+            (e.status(), keep, stats, routed, end)
         }
         Phase::Relayed {
             status,
