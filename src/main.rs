@@ -246,11 +246,19 @@ fn check(config: Option<PathBuf>) -> ExitCode {
     }
 }
 
+/// Exit code of `warmroute status` when no live router owns the segment (as `systemctl
+/// status` says "not running").
+const STATUS_NOT_RUNNING: u8 = 3;
+
 fn status(config: Option<PathBuf>, shm: Option<PathBuf>) -> ExitCode {
-    let path = match shm {
-        Some(p) => p,
-        None => match warmroute::config::load(config.as_deref()) {
-            Ok(c) => c.server.shm_path.clone(),
+    // The configuration names the peers and their limits; with `--shm` alone and no
+    // readable configuration the table has the segment's figures only.
+    let loaded = match (&shm, &config) {
+        // A segment named alone: the files in this directory may be another router's.
+        (Some(_), None) => None,
+        _ => match warmroute::config::load(config.as_deref()) {
+            Ok(c) => Some(c),
+            Err(_) if shm.is_some() => None,
             Err(errs) => {
                 for e in errs {
                     eprintln!("error: {e}");
@@ -259,10 +267,19 @@ fn status(config: Option<PathBuf>, shm: Option<PathBuf>) -> ExitCode {
             }
         },
     };
-    match warmroute::status::render(&path) {
+    let path = match (shm, &loaded) {
+        (Some(p), _) => p,
+        (None, Some(c)) => c.server.shm_path.clone(),
+        (None, None) => return ExitCode::FAILURE,
+    };
+    match warmroute::status::render(&path, loaded.as_ref()) {
         Ok(s) => {
-            print!("{s}");
-            ExitCode::SUCCESS
+            print!("{}", s.text);
+            if s.running {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(STATUS_NOT_RUNNING)
+            }
         }
         Err(e) => {
             eprintln!("warmroute status: {}: {e}", path.display());

@@ -404,19 +404,55 @@ fn status_reads_the_segment_of_a_running_router() {
     eventually(Duration::from_secs(5), "request in the engine", || {
         m.stats().active == 1
     });
-    let out = Command::new(BIN)
-        .args(["status", "--shm"])
-        .arg(&p.shm)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}");
-    let line = text
-        .lines()
-        .find(|l| l.contains(&format!("chat//{}", m.addr())))
-        .unwrap_or_else(|| panic!("peer row missing:\n{text}"));
-    assert_eq!(line.split_whitespace().nth(1), Some("1"), "{line}");
+    let status = |args: &[&std::ffi::OsStr]| {
+        let out = Command::new(BIN).arg("status").args(args).output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let row = |text: &str, addr: std::net::SocketAddr| -> Vec<String> {
+        text.lines()
+            .find(|l| l.contains(&format!("chat//{addr}")))
+            .unwrap_or_else(|| panic!("peer row missing:\n{text}"))
+            .split_whitespace()
+            .map(String::from)
+            .collect()
+    };
+    // The segment alone: in-flight and bans, no names.
+    let (code, text) = status(&["--shm".as_ref(), p.shm.as_os_str()]);
+    assert_eq!(code, Some(0), "{text}");
+    assert_eq!(row(&text, m.addr())[1..3], ["?", "1"], "{text}");
+    // With the configuration: the peer's name and limit.
+    let cfg = d.0.join("warmroute.toml");
+    let (code, text) = status(&["--config".as_ref(), cfg.as_os_str()]);
+    assert_eq!(code, Some(0), "{text}");
+    let r = row(&text, m.addr());
+    assert_eq!(r[2], "1", "{text}");
+    assert_ne!(r[1], "(removed)", "{text}");
     drop(s);
+    // A peer a reload removed keeps its row in the segment, marked as such.
+    let m2 = mock("m1");
+    std::fs::write(d.0.join("routes/chat.toml"), route_for(&[m2.addr()], "")).unwrap();
+    p.signal("HUP");
+    eventually(
+        Duration::from_secs(5),
+        "the old peer marked removed",
+        || {
+            let (_, text) = status(&["--config".as_ref(), cfg.as_os_str()]);
+            text.contains(&format!("chat//{}", m2.addr())) && row(&text, m.addr())[1] == "(removed)"
+        },
+    );
+    // No router running: said, and exit code 3.
+    let mut p = p;
+    p.signal("TERM");
+    p.wait_exit(Duration::from_secs(10)).expect("router exits");
+    let (code, text) = status(&["--shm".as_ref(), p.shm.as_os_str()]);
+    assert_eq!(code, Some(3), "{text}");
+    assert!(
+        text.contains("no running router owns this segment"),
+        "{text}"
+    );
 }
 
 #[test]

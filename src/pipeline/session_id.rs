@@ -275,6 +275,16 @@ fn is_blank(s: &str) -> bool {
     s.trim().is_empty()
 }
 
+/// A header's id as text: as sent when it is UTF-8, else read as Latin-1 (each byte one
+/// char), so that distinct ids stay distinct. A lossy read would turn every invalid byte
+/// into U+FFFD, and `s\xE9` and `s\xFF` would hash to one peer and log as one session.
+fn id_text(v: &[u8]) -> Cow<'_, str> {
+    match std::str::from_utf8(v) {
+        Ok(s) => Cow::Borrowed(s),
+        Err(_) => Cow::Owned(v.iter().map(|&b| char::from(b)).collect()),
+    }
+}
+
 /// The first non-blank value of the first header source that has one.
 fn header_id(headers: &Headers) -> Option<(Cow<'_, str>, Source)> {
     // Most requests carry none of them: one test of the head's index.
@@ -293,7 +303,7 @@ fn header_id(headers: &Headers) -> Option<(Cow<'_, str>, Source)> {
     HEADER_SOURCES.iter().find_map(|&(k, _)| {
         headers
             .all_known(k)
-            .map(String::from_utf8_lossy)
+            .map(id_text)
             .find(|v| !is_blank(v))
             .map(|v| (v, Source::Header(k.name())))
     })
@@ -815,10 +825,25 @@ mod tests {
     }
 
     #[test]
-    fn non_utf8_header_is_used_lossily() {
-        let h = headers_raw(b"x-session-id: ab\xffcd\r\n");
-        let (id, _) = extract(&h, None, &ON);
-        assert_eq!(id.unwrap().id, "ab\u{fffd}cd");
+    fn non_utf8_header_ids_stay_apart() {
+        // Read as Latin-1: two ids that differ in a byte that is not UTF-8 stay two ids
+        // (a lossy read made both "ab\u{fffd}cd").
+        let id = |raw: &[u8]| {
+            extract(&headers_raw(raw), None, &ON)
+                .0
+                .unwrap()
+                .id
+                .to_string()
+        };
+        let (a, b) = (
+            id(b"x-session-id: ab\xffcd\r\n"),
+            id(b"x-session-id: ab\xe9cd\r\n"),
+        );
+        assert_eq!((a.as_ref(), b.as_ref()), ("ab\u{ff}cd", "ab\u{e9}cd"));
+        assert_ne!(hash_bytes(&a), hash_bytes(&b));
+        assert_eq!(header_value(Some(&b)), "ab%C3%A9cd");
+        // UTF-8 is taken as it is.
+        assert_eq!(id("x-session-id: ab\u{e9}cd\r\n".as_bytes()), "ab\u{e9}cd");
     }
 
     #[test]
