@@ -232,6 +232,12 @@ fn the_routers_own_answers_to_head_carry_no_body() {
         );
         assert_eq!(next.status, status, "GET {path} after HEAD");
         assert!(!next.body.is_empty(), "GET {path} after HEAD");
+        // The router's own answers carry a Date (RFC 9110 §6.6.1).
+        assert!(
+            next.header("date").is_some_and(|d| d.ends_with(" GMT")),
+            "{:?}",
+            next.headers
+        );
     }
     // A proxied HEAD was already right; it stays so (the control: the peer's length).
     let mut r = BufReader::new(connect(env.public()));

@@ -72,6 +72,7 @@ impl Response {
             )
             .as_bytes(),
         );
+        crate::http::push_date_header(&mut out);
         out.extend_from_slice(
             format!(
                 "Content-Type: {}\r\nContent-Length: {}\r\n",

@@ -655,6 +655,27 @@ impl RouteOpts {
                 self.adaptive_cc_slack_frac = (self.adaptive_cc_pressure_frac * 0.8).min(0.7);
             }
         }
+        // The TTFT statistic is a bucket bound (`measure::TTFT_BOUNDS_MS`), never below the
+        // first one: a limit at or under it sheds every request once a window has samples.
+        let floor = crate::measure::TTFT_BOUNDS_MS[0];
+        let low = |ms: f64| ms <= floor;
+        if self.ttft_limit_ms.is_some_and(low) {
+            d.warn(
+                "ttft_limit_ms",
+                format!(
+                    "{} ms is at or below the smallest TTFT bucket ({floor} ms): the measured p80 is never lower, so every request is shed once TTFT is measured",
+                    self.ttft_limit_ms.unwrap_or(0.0)
+                ),
+            );
+        }
+        for (model, ms) in self.ttft_limit_by_model.iter().filter(|(_, &ms)| low(ms)) {
+            d.warn(
+                &format!("ttft_limit_by_model.{model}"),
+                format!(
+                    "{ms} ms is at or below the smallest TTFT bucket ({floor} ms): the measured p80 is never lower, so every request is shed once TTFT is measured"
+                ),
+            );
+        }
         if self.max_body_size > server.max_body_size_ceiling && !set("max_body_size") {
             // The default (10 MiB) is never above the server's ceiling (SPEC §3.2): a
             // lower ceiling lowers the routes that do not set their own limit.

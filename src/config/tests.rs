@@ -887,3 +887,26 @@ fn one_backend_listed_twice_in_a_pool_is_an_error() {
     let by_model = "[peers_by_model]\na = [ { host = \"127.0.0.1\", port = 8000 } ]\nb = [ { host = \"127.0.0.1\", port = 8000 } ]";
     assert!(one(by_model).is_ok(), "{:?}", one(by_model).err());
 }
+
+#[test]
+fn a_ttft_limit_at_or_under_the_first_bucket_is_warned_about() {
+    // The TTFT statistic is a bucket bound, 250 ms at the least: a 200 ms limit would shed
+    // every request on a fast backend.
+    let c = one(&format!(
+        "{MIN_ROUTE}\nttft_limit_ms = 200\n[ttft_limit_by_model]\nfast = 100\nslow = 5000\n"
+    ))
+    .unwrap();
+    let fields: Vec<&str> = c.warnings.iter().map(|w| w.field.as_str()).collect();
+    assert_eq!(
+        fields,
+        ["ttft_limit_ms", "ttft_limit_by_model.fast"],
+        "{:?}",
+        c.warnings
+    );
+    assert!(c.warnings[0]
+        .message
+        .contains("smallest TTFT bucket (250 ms)"));
+    // The control: a limit above the first bucket is not.
+    let c = one(&format!("{MIN_ROUTE}\nttft_limit_ms = 300\n")).unwrap();
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+}

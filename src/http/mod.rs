@@ -20,4 +20,6 @@ pub use head::{
     parse_request, parse_response, BodyFraming, HeadError, HeadParse, Headers, Known, RequestHead,
     ResponseFraming, ResponseHead,
 };
-pub use write::{is_hop_by_hop, name_is, push_decimal, status_reason, write_header};
+pub use write::{
+    is_hop_by_hop, name_is, push_date_header, push_decimal, status_reason, write_header,
+};

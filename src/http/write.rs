@@ -89,8 +89,82 @@ pub fn status_reason(status: u16) -> &'static str {
     }
 }
 
+/// `Date: <IMF-fixdate>\r\n` for now (RFC 9110 §6.6.1: a server with a clock sends it
+/// on its own answers). Formatted once a second per thread.
+pub fn push_date_header(out: &mut Vec<u8>) {
+    use std::cell::RefCell;
+    thread_local! {
+        static CACHE: RefCell<(u64, [u8; 37])> = const { RefCell::new((u64::MAX, [0; 37])) };
+    }
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let line = CACHE
+        .try_with(|c| {
+            let mut c = c.borrow_mut();
+            if c.0 != secs {
+                *c = (secs, date_line(secs));
+            }
+            c.1
+        })
+        .unwrap_or_else(|_| date_line(secs));
+    out.extend_from_slice(&line);
+}
+
+/// `Date: Sun, 06 Nov 1994 08:49:37 GMT\r\n` for `secs` since the epoch.
+fn date_line(secs: u64) -> [u8; 37] {
+    const DAYS: [&[u8; 3]; 7] = [b"Thu", b"Fri", b"Sat", b"Sun", b"Mon", b"Tue", b"Wed"];
+    const MONTHS: [&[u8; 3]; 12] = [
+        b"Jan", b"Feb", b"Mar", b"Apr", b"May", b"Jun", b"Jul", b"Aug", b"Sep", b"Oct", b"Nov",
+        b"Dec",
+    ];
+    let days = secs / 86_400;
+    let rem = secs % 86_400;
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u64;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as usize;
+    let year = (yoe + era * 400 + i64::from(month <= 2)) as u64;
+    let mut l = [0u8; 37];
+    l[..6].copy_from_slice(b"Date: ");
+    l[6..9].copy_from_slice(DAYS[(days % 7) as usize]);
+    l[9..11].copy_from_slice(b", ");
+    let two = |n: u64| [b'0' + (n / 10 % 10) as u8, b'0' + (n % 10) as u8];
+    l[11..13].copy_from_slice(&two(day));
+    l[13] = b' ';
+    l[14..17].copy_from_slice(MONTHS[month - 1]);
+    l[17] = b' ';
+    l[18..20].copy_from_slice(&two(year / 100));
+    l[20..22].copy_from_slice(&two(year % 100));
+    l[22] = b' ';
+    l[23..25].copy_from_slice(&two(rem / 3_600));
+    l[25] = b':';
+    l[26..28].copy_from_slice(&two(rem / 60 % 60));
+    l[28] = b':';
+    l[29..31].copy_from_slice(&two(rem % 60));
+    l[31..37].copy_from_slice(b" GMT\r\n");
+    l
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn date_lines_are_imf_fixdate() {
+        let s = |secs| String::from_utf8(super::date_line(secs).to_vec()).unwrap();
+        assert_eq!(s(784_111_777), "Date: Sun, 06 Nov 1994 08:49:37 GMT\r\n");
+        assert_eq!(s(0), "Date: Thu, 01 Jan 1970 00:00:00 GMT\r\n");
+        assert_eq!(s(951_782_400), "Date: Tue, 29 Feb 2000 00:00:00 GMT\r\n");
+        assert_eq!(s(1_796_471_704), "Date: Sat, 05 Dec 2026 11:55:04 GMT\r\n");
+        let mut out = Vec::new();
+        super::push_date_header(&mut out);
+        assert!(out.starts_with(b"Date: ") && out.ends_with(b" GMT\r\n") && out.len() == 37);
+    }
+
     use super::*;
 
     #[test]

@@ -259,6 +259,7 @@ pub fn json_response(status: u16, body: &Value, extra: &[(&str, &str)], close: b
     let body = serde_json::to_vec(body).unwrap_or_default();
     let mut out = Vec::with_capacity(160 + body.len());
     out.extend_from_slice(format!("HTTP/1.1 {status} {}\r\n", status_reason(status)).as_bytes());
+    crate::http::push_date_header(&mut out);
     out.extend_from_slice(b"Content-Type: application/json\r\n");
     out.extend_from_slice(format!("Content-Length: {}\r\n", body.len()).as_bytes());
     for (k, v) in extra {
@@ -287,13 +288,16 @@ pub fn for_request(head: &crate::http::RequestHead, mut resp: Vec<u8>) -> Vec<u8
 
 /// A complete response with a plain-text body.
 pub fn text_response(status: u16, body: &str, close: bool) -> Vec<u8> {
-    let mut out = format!(
-        "HTTP/1.1 {status} {}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n{}\r\n",
-        status_reason(status),
-        body.len(),
-        if close { "Connection: close\r\n" } else { "" }
-    )
-    .into_bytes();
+    let mut out = format!("HTTP/1.1 {status} {}\r\n", status_reason(status)).into_bytes();
+    crate::http::push_date_header(&mut out);
+    out.extend_from_slice(
+        format!(
+            "Content-Type: text/plain\r\nContent-Length: {}\r\n{}\r\n",
+            body.len(),
+            if close { "Connection: close\r\n" } else { "" }
+        )
+        .as_bytes(),
+    );
     out.extend_from_slice(body.as_bytes());
     out
 }

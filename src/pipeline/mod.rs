@@ -466,11 +466,15 @@ async fn proxy(
     // 2. A sub-pool route lists its models itself.
     if route.by_model() && upstream_path == "/v1/models" {
         let body = model_list(&route.models_sorted);
-        let mut out = format!(
-            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
-            body.len()
-        )
-        .into_bytes();
+        let mut out = b"HTTP/1.1 200 OK\r\n".to_vec();
+        crate::http::push_date_header(&mut out);
+        out.extend_from_slice(
+            format!(
+                "Content-Type: application/json\r\nContent-Length: {}\r\n",
+                body.len()
+            )
+            .as_bytes(),
+        );
         let keep = keep_client();
         if !keep {
             out.extend_from_slice(b"Connection: close\r\n");
