@@ -76,7 +76,7 @@ const CONN_NAMES: u8 = 4;
 
 /// Header names the per-request paths look up: the framing and forwarding headers, the
 /// session-id headers, and the response's `Content-Type`. [`Known`] names each by place.
-const LOOKED_UP: [&str; 12] = [
+const LOOKED_UP: [&str; 13] = [
     "content-length",
     "transfer-encoding",
     "connection",
@@ -89,6 +89,7 @@ const LOOKED_UP: [&str; 12] = [
     "x-session-id",
     "content-type",
     "x-phanrouter-session",
+    "host",
 ];
 
 /// One of the header names the per-request paths look up, by its place in the table
@@ -109,6 +110,7 @@ impl Known {
     pub const X_SESSION_ID: Known = Known(9);
     pub const CONTENT_TYPE: Known = Known(10);
     pub const X_PHANROUTER_SESSION: Known = Known(11);
+    pub const HOST: Known = Known(12);
 
     /// The name, lowercase.
     pub fn name(self) -> &'static str {
@@ -135,6 +137,7 @@ fn looked_up(name: &[u8]) -> Option<Known> {
         20 => (7, Some(11)),
         24 => (8, None),
         12 => (9, Some(10)),
+        4 => (12, None),
         _ => return None,
     };
     if is(a) {
@@ -620,6 +623,14 @@ pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
     let method_span = offset_in(raw, method);
     let target_span = offset_in(raw, path);
     let headers = Headers::from_parsed(raw, req.headers);
+    // RFC 9112 §3.2: an HTTP/1.1 request has exactly one Host, and no request has two.
+    // The router names its own host to the peer; a request that a proxy in front could
+    // read as addressed elsewhere is refused, as nginx does.
+    match headers.all_known(Known::HOST).take(2).count() {
+        0 if minor >= 1 => return Err(HeadError::Malformed("missing Host header")),
+        2 => return Err(HeadError::Malformed("more than one Host header")),
+        _ => {}
+    }
     let cl = content_length(&headers)?;
     let te = transfer_encoding(&headers);
     let body = match (te, cl) {
@@ -866,7 +877,8 @@ mod tests {
         let blanks = ["", " ", "  ", "\t", " \t "];
         for _ in 0..500 {
             let n = rng.below(12);
-            let mut head = String::from("POST /x HTTP/1.1\r\n");
+            // HTTP/1.0: no Host needed, so the head holds only the lines under test.
+            let mut head = String::from("POST /x HTTP/1.0\r\n");
             for i in 0..n {
                 let pre = blanks[rng.below(blanks.len())];
                 let post = blanks[rng.below(blanks.len())];
@@ -881,7 +893,7 @@ mod tests {
             let h = h.headers;
             let keep: Vec<bool> = (0..n).map(|_| rng.below(3) != 0).collect();
             let mut i = 0;
-            let mut out = b"GET / HTTP/1.1\r\n".to_vec();
+            let mut out = b"GET / HTTP/1.0\r\n".to_vec();
             h.write_lines(&mut out, |_, _| {
                 i += 1;
                 keep[i - 1]
@@ -959,7 +971,19 @@ mod tests {
         assert_eq!(h.framing, ResponseFraming::Length(0));
     }
 
+    /// Parse `s`, with a `Host` added after the request line of an HTTP/1.1 head that has
+    /// none (the cases here are about other headers).
     fn req(s: &str) -> Result<RequestHead, HeadError> {
+        let owned;
+        let s = match s.split_once("\r\n") {
+            Some((line, rest))
+                if line.ends_with("HTTP/1.1") && !s.to_ascii_lowercase().contains("\r\nhost:") =>
+            {
+                owned = format!("{line}\r\nHost: t\r\n{rest}");
+                owned.as_str()
+            }
+            _ => s,
+        };
         match parse_request(s.as_bytes())? {
             HeadParse::Complete(h, n) => {
                 assert_eq!(n, s.find("\r\n\r\n").unwrap() + 4);
@@ -1003,8 +1027,8 @@ mod tests {
             parse_request(many.as_bytes()).unwrap_err(),
             HeadError::TooManyHeaders
         );
-        let mut exactly = String::from("GET / HTTP/1.1\r\n");
-        for i in 0..REQUEST_HEADERS_MAX {
+        let mut exactly = String::from("GET / HTTP/1.1\r\nHost: t\r\n");
+        for i in 1..REQUEST_HEADERS_MAX {
             exactly.push_str(&format!("H{i}: v\r\n"));
         }
         exactly.push_str("\r\n");
@@ -1148,6 +1172,28 @@ mod tests {
         ] {
             assert!(req(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn host_is_required_once_in_http_1_1() {
+        let parse = |s: &str| match parse_request(s.as_bytes()) {
+            Ok(HeadParse::Complete(..)) => Ok(()),
+            Ok(HeadParse::Partial) => panic!("partial"),
+            Err(e) => Err(e),
+        };
+        for bad in [
+            "GET / HTTP/1.1\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nhost: b\r\n\r\n",
+            "GET / HTTP/1.0\r\nHost: a\r\nHost: a\r\n\r\n",
+        ] {
+            assert!(
+                matches!(parse(bad), Err(HeadError::Malformed(m)) if m.contains("Host")),
+                "{bad:?}"
+            );
+        }
+        // The controls: one Host, and HTTP/1.0 without one.
+        assert!(parse("GET / HTTP/1.1\r\nHOST: a:8080\r\n\r\n").is_ok());
+        assert!(parse("GET / HTTP/1.0\r\n\r\n").is_ok());
     }
 
     #[test]

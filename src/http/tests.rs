@@ -133,8 +133,8 @@ fn mutated_heads_parse_to_heads_that_write_back_the_same() {
         b"POST /r/v1/chat/completions?x=1 HTTP/1.1\r\nHost: a\r\nContent-Length: 12\r\nX-Session-ID: s\r\nContent-Type: application/json\r\n\r\n",
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nExpect: 100-continue\r\nConnection: keep-alive\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
         b"GET / HTTP/1.0\nHost: a\nX-A:\t two \n\n",
-        b"GET /metrics HTTP/1.1\r\nConnection: close, x-a\r\nX-A: 1\r\nAuthorization: Bearer k\r\nContent-Length: 3 , 3\r\n\r\nabc",
-        b"DELETE /v1/x HTTP/1.1\r\nx-litellm-session-id: \xc3\xa9\r\nX-Forwarded-For: 1.2.3.4\r\n\r\nGET / HTTP/1.1\r\n\r\n",
+        b"GET /metrics HTTP/1.1\r\nHost: a\r\nConnection: close, x-a\r\nX-A: 1\r\nAuthorization: Bearer k\r\nContent-Length: 3 , 3\r\n\r\nabc",
+        b"DELETE /v1/x HTTP/1.1\r\nx-litellm-session-id: \xc3\xa9\r\nhost: b\r\nX-Forwarded-For: 1.2.3.4\r\n\r\nGET / HTTP/1.1\r\n\r\n",
     ];
     let responses: [&[u8]; 4] = [
         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
