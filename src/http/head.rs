@@ -626,10 +626,12 @@ pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
     // RFC 9112 §3.2: an HTTP/1.1 request has exactly one Host, and no request has two.
     // The router names its own host to the peer; a request that a proxy in front could
     // read as addressed elsewhere is refused, as nginx does.
-    match headers.all_known(Known::HOST).take(2).count() {
-        0 if minor >= 1 => return Err(HeadError::Malformed("missing Host header")),
-        2 => return Err(HeadError::Malformed("more than one Host header")),
-        _ => {}
+    // Two bit tests of the head's index: nothing is compared or iterated.
+    if headers.repeated & Known::HOST.bit() != 0 {
+        return Err(HeadError::Malformed("more than one Host header"));
+    }
+    if minor >= 1 && headers.present & Known::HOST.bit() == 0 {
+        return Err(HeadError::Malformed("missing Host header"));
     }
     let cl = content_length(&headers)?;
     let te = transfer_encoding(&headers);
