@@ -41,6 +41,15 @@ pub mod peer {
     pub const CUT_BY_PEER: usize = 17;
 }
 
+/// Cells of a key owner's row: a route row keyed `owner:<name>` (route names cannot hold
+/// a `:`), written by every worker for requests whose key names that owner.
+pub mod owner {
+    pub const REQUESTS: usize = 0;
+    pub const PROMPT_TOKENS: usize = 1;
+    pub const CACHED_TOKENS: usize = 2;
+    pub const COMPLETION_TOKENS: usize = 3;
+}
+
 /// Per-route cells.
 pub mod route {
     pub const REQUESTS: usize = 0;

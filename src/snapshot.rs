@@ -136,6 +136,9 @@ pub struct Snapshot {
     pub routes: Vec<Arc<RouteRt>>,
     by_name: HashMap<String, usize, BuildHasherDefault<NameHasher>>,
     pub generation: u64,
+    /// Every key owner of the key file and the routes' own tables, sorted, with its row
+    /// of counters in the segment (`cells::owner`). Owners without a name are left out.
+    pub owners: Vec<(String, RouteSlot)>,
 }
 
 /// The segment key of a peer slot: route, pool and address. Keys longer than the segment
@@ -241,13 +244,40 @@ impl Snapshot {
                 prio_table: crate::control::prio_state::table(&rc.opts),
             }));
         }
+        let mut names: Vec<String> = routes
+            .iter()
+            .flat_map(|r| r.keys.owners())
+            .filter(|o| !o.is_empty())
+            .map(String::from)
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        let owners = names
+            .into_iter()
+            .filter_map(|o| {
+                let slot = seg.route_slot(&shorten_key(format!("owner:{o}")));
+                if slot.is_none() {
+                    tracing::warn!(owner = %o, "shared segment has no free row for this owner's counters");
+                }
+                Some((o, slot?))
+            })
+            .collect();
         Ok(Snapshot {
             config,
             keys,
             routes,
             by_name,
             generation,
+            owners,
         })
+    }
+
+    /// The counters row of a key owner.
+    pub fn owner_slot(&self, owner: &str) -> Option<RouteSlot> {
+        self.owners
+            .binary_search_by(|(o, _)| o.as_str().cmp(owner))
+            .ok()
+            .map(|i| self.owners[i].1)
     }
 
     pub fn route(&self, name: &str) -> Option<&Arc<RouteRt>> {

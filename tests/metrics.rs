@@ -377,6 +377,22 @@ fn requests_refused_before_a_peer_get_their_access_line_too() {
     // Every request to the route counts, the refused ones (401, 413) included.
     let (_, series) = scrape(&env);
     assert_eq!(val(&series, r#"warmroute_requests_total{route="r"}"#), 6.0);
+    // The key's owner, never the key: alice's five requests (not the 401, which had no
+    // key), and the tokens of her two answered ones.
+    assert_eq!(
+        val(&series, r#"warmroute_owner_requests_total{owner="alice"}"#),
+        5.0
+    );
+    assert!(
+        val(
+            &series,
+            r#"warmroute_owner_tokens_total{owner="alice",kind="prompt"}"#
+        ) > 0.0
+    );
+    assert!(
+        !series.keys().any(|k| k.contains("k1")),
+        "a key in the metrics"
+    );
 
     let lines = || access_lines(&log);
     eventually(Duration::from_secs(3), "eight access lines", || {

@@ -100,7 +100,49 @@ const FAMILIES: &[Family] = &[
     pool_effective_limit,
     peer_ttft_ewma,
     peer_decode_rate_ewma,
+    owner_requests,
+    owner_tokens,
 ];
+
+/// Requests per key owner (SPEC §7: the owner, never the key, appears in metrics).
+fn owner_requests(x: &mut Exposition, s: &Sources) {
+    let mut f = x.family(
+        "warmroute_owner_requests_total",
+        Kind::Counter,
+        "Requests whose API key belongs to this owner (refused ones included), every route.",
+    );
+    for (owner, slot) in &s.snap.owners {
+        f.sample(
+            &Labels::new(&[("owner", owner)]),
+            s.seg
+                .route_cell(*slot, cells::owner::REQUESTS)
+                .load(Relaxed),
+        );
+    }
+}
+
+/// Tokens per key owner, from the responses' usage.
+fn owner_tokens(x: &mut Exposition, s: &Sources) {
+    let mut f = x.family(
+        "warmroute_owner_tokens_total",
+        Kind::Counter,
+        "Tokens the backends reported for this owner's requests, by kind (prompt, cached, completion).",
+    );
+    for (owner, slot) in &s.snap.owners {
+        let labels = Labels::new(&[("owner", owner)]);
+        for (kind, cell) in [
+            ("prompt", cells::owner::PROMPT_TOKENS),
+            ("cached", cells::owner::CACHED_TOKENS),
+            ("completion", cells::owner::COMPLETION_TOKENS),
+        ] {
+            f.sample_with(
+                &labels,
+                &[("kind", kind)],
+                s.seg.route_cell(*slot, cell).load(Relaxed),
+            );
+        }
+    }
+}
 
 fn pool_signal_ewma(
     x: &mut Exposition,

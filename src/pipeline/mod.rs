@@ -442,6 +442,10 @@ async fn proxy(
                 seg.route_cell(r.slot, cells::route::REQUESTS)
                     .fetch_add(1, Relaxed);
             }
+            if let Some(slot) = owner.as_deref().and_then(|o| snap.owner_slot(o)) {
+                seg.route_cell(slot, cells::owner::REQUESTS)
+                    .fetch_add(1, Relaxed);
+            }
             // A refusal before the body was read leaves it on the wire: close then.
             // (No route lists models: a bare request is refused from its head.)
             let body_unread = matches!(&e, ProxyError::Unauthorized)
@@ -457,6 +461,12 @@ async fn proxy(
     let opts = &route.cfg.opts;
     let rcell = |i: usize| seg.route_cell(route.slot, i);
     rcell(cells::route::REQUESTS).fetch_add(1, Relaxed);
+    // A request with a key counts for the key's owner too (`warmroute_owner_*`).
+    let owner_slot = p.owner.as_deref().and_then(|o| snap.owner_slot(o));
+    if let Some(slot) = owner_slot {
+        seg.route_cell(slot, cells::owner::REQUESTS)
+            .fetch_add(1, Relaxed);
+    }
     // The body came with the head unless reading it had to wait.
     let body_read_at = conn.body_read_at.unwrap_or(started);
     let model = p.fields.as_ref().and_then(|f| f.model.as_deref());
@@ -982,6 +992,17 @@ async fn proxy(
                     };
                     if let Some(u) = stats.usage {
                         account_usage(seg, route, routed.peer, &u);
+                        if let Some(slot) = owner_slot {
+                            for (cell, v) in [
+                                (cells::owner::PROMPT_TOKENS, u.prompt_tokens),
+                                (cells::owner::CACHED_TOKENS, u.cached_tokens),
+                                (cells::owner::COMPLETION_TOKENS, u.completion_tokens),
+                            ] {
+                                if let Some(v) = v.filter(|&v| v > 0) {
+                                    seg.route_cell(slot, cell).fetch_add(v, Relaxed);
+                                }
+                            }
+                        }
                         if let Some((slot, b)) = prio_bucket {
                             control::prio_state::add_tokens(
                                 seg,
