@@ -119,17 +119,10 @@ fn date_line(secs: u64) -> [u8; 37] {
         b"Dec",
     ];
     let days = secs / 86_400;
-    let rem = secs % 86_400;
-    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = (doy - (153 * mp + 2) / 5 + 1) as u64;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 } as usize;
-    let year = (yoe + era * 400 + i64::from(month <= 2)) as u64;
+    let (year, month, day, hour, minute, second, _) =
+        crate::bodylog::assemble::utc_fields(secs.saturating_mul(1000));
+    let (year, month, day) = (year as u64, month as usize, u64::from(day));
+    let (hour, minute, second) = (u64::from(hour), u64::from(minute), u64::from(second));
     let mut l = [0u8; 37];
     l[..6].copy_from_slice(b"Date: ");
     l[6..9].copy_from_slice(DAYS[(days % 7) as usize]);
@@ -142,11 +135,11 @@ fn date_line(secs: u64) -> [u8; 37] {
     l[18..20].copy_from_slice(&two(year / 100));
     l[20..22].copy_from_slice(&two(year % 100));
     l[22] = b' ';
-    l[23..25].copy_from_slice(&two(rem / 3_600));
+    l[23..25].copy_from_slice(&two(hour));
     l[25] = b':';
-    l[26..28].copy_from_slice(&two(rem / 60 % 60));
+    l[26..28].copy_from_slice(&two(minute));
     l[28] = b':';
-    l[29..31].copy_from_slice(&two(rem % 60));
+    l[29..31].copy_from_slice(&two(second));
     l[31..37].copy_from_slice(b" GMT\r\n");
     l
 }
