@@ -100,6 +100,8 @@ fn framing_conflicts_are_400_and_oversize_heads_431() {
         (b"POST /r/v1/x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n".to_vec(), 400),
         (b"POST /r/v1/x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip\r\n\r\n".to_vec(), 501),
         (b"BLAH\r\n\r\n".to_vec(), 400),
+        (b"GET /r/v1/models HTTP/1.1\r\nHost: a b\r\n\r\n".to_vec(), 400),
+        (b"GET /r/v1/models HTTP/1.1\r\nHost: evil/x\r\n\r\n".to_vec(), 400),
         (format!("GET /r/v1/x HTTP/1.1\r\nHost: t\r\nX-Big: {}\r\n\r\n", "a".repeat(70 * 1024)).into_bytes(), 431),
         ((0..101).fold(b"GET /r/v1/x HTTP/1.1\r\n".to_vec(), |mut v, i| { v.extend(format!("H{i}: v\r\n").bytes()); v }).into_iter().chain(*b"\r\n").collect(), 431),
     ];

@@ -383,6 +383,51 @@ fn concurrency_gate_429_and_all_banned_503() {
     assert_eq!(r.json()["error"]["type"], "no_healthy_upstream");
 }
 
+/// SPEC §8: every toggle and reset answers only 127.0.0.1 / ::1. From 127.0.0.2 each is
+/// refused with 403 and changes nothing; the control sends the same from 127.0.0.1 and
+/// gets 200.
+#[test]
+fn every_toggle_refuses_a_client_that_is_not_127_0_0_1() {
+    let m = mock("m0");
+    let env = start(&[("r", route_for(&[m.addr()], ""))], "");
+    let addr = env.public();
+    let toggles = [
+        "/r/_ttft_toggle?on=0",
+        "/r/_tps_toggle?on=0",
+        "/r/_ttft_limit?limit=5000",
+        "/r/_tps_limit?limit=5",
+        "/r/_bodylog_toggle?on=0",
+        "/r/_reject_rules_toggle?on=0",
+        "/r/_cch_strip_toggle?on=0",
+        "/r/_kimi_normalize_toggle?on=0",
+        "/r/_include_usage_toggle?on=0",
+        "/r/_rate_limit_toggle?on=0",
+        "/r/_session_prio_toggle?on=1",
+        "/r/_429_status?reset=1",
+        "/r/_active_conns_set?peer=p0&value=0",
+    ];
+    let Some(_) = socket2_free_connect_from("127.0.0.2", addr) else {
+        eprintln!("skipped: 127.0.0.2 cannot be bound here");
+        return;
+    };
+    for t in toggles {
+        let mut c = socket2_free_connect_from("127.0.0.2", addr).unwrap();
+        c.write_all(&get(t)).unwrap();
+        let r = read_response(&mut BufReader::new(c), false).unwrap();
+        assert_eq!(r.status, 403, "{t} from 127.0.0.2");
+        assert_eq!(r.json()["error"]["type"], "forbidden", "{t}");
+    }
+    // Nothing was changed by the refused calls.
+    let st = request(addr, &get("/r/_session_status")).json();
+    assert_eq!(st["enabled"], false, "{st}");
+    // The control: from 127.0.0.1 each is answered.
+    for t in toggles {
+        assert_eq!(request(addr, &get(t)).status, 200, "{t} from 127.0.0.1");
+    }
+    let st = request(addr, &get("/r/_session_status")).json();
+    assert_eq!(st["enabled"], true, "{st}");
+}
+
 /// Connect from a specific loopback source address (127.0.0.2 is loopback but not 127.0.0.1).
 fn socket2_free_connect_from(src: &str, dst: SocketAddr) -> Option<std::net::TcpStream> {
     let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).ok()?;

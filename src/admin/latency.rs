@@ -100,7 +100,12 @@ pub fn handle(
     let model = query_param(q, "model");
     let needs_loopback = matches!(
         name,
-        "ttft_toggle" | "tps_toggle" | "ttft_limit" | "tps_limit" | "rate_limit_toggle"
+        "ttft_toggle"
+            | "tps_toggle"
+            | "ttft_limit"
+            | "tps_limit"
+            | "rate_limit_toggle"
+            | "session_prio_toggle"
     );
     if needs_loopback && !loopback {
         return Some(Response::error(

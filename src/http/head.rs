@@ -557,6 +557,57 @@ fn chunked_only(headers: &Headers) -> bool {
     codings == 1
 }
 
+/// Whether a Host value is an authority as RFC 9110 §7.2 and RFC 3986 §3.2 allow it: a
+/// reg-name, IPv4 address or bracketed IP literal, with an optional port, in the bytes
+/// those grammars use; no path, space or control byte, no leading dot and no empty label
+/// (`..`), which nginx refuses too. An empty value is valid (RFC 9112 §3.2). The value is a
+/// few bytes long; one table lookup per byte.
+fn host_value_ok(v: &[u8]) -> bool {
+    const fn table() -> [bool; 256] {
+        let mut t = [false; 256];
+        let mut c = 0;
+        while c < 256 {
+            let b = c as u8;
+            t[c] = b.is_ascii_alphanumeric()
+                || matches!(
+                    b,
+                    b'-' | b'.'
+                        | b'_'
+                        | b'~'
+                        | b'%'
+                        | b'!'
+                        | b'$'
+                        | b'&'
+                        | b'\''
+                        | b'('
+                        | b')'
+                        | b'*'
+                        | b'+'
+                        | b','
+                        | b';'
+                        | b'='
+                        | b':'
+                        | b'['
+                        | b']'
+                );
+            c += 1;
+        }
+        t
+    }
+    static HOST_BYTE: [bool; 256] = table();
+    if v.first() == Some(&b'.') {
+        return false;
+    }
+    let mut prev = 0u8;
+    for &b in v {
+        if !HOST_BYTE[usize::from(b)] || (b == b'.' && prev == b'.') {
+            return false;
+        }
+        prev = b;
+    }
+    true
+}
+
 /// The path (and query) of an absolute-form target `http://authority/path?query`, or
 /// `None` when `target` is not one or has no path.
 fn absolute_form_path(target: &str) -> Option<&str> {
@@ -632,6 +683,11 @@ pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
     }
     if minor >= 1 && headers.present & Known::HOST.bit() == 0 {
         return Err(HeadError::Malformed("missing Host header"));
+    }
+    if let Some(host) = headers.get_known(Known::HOST) {
+        if !host_value_ok(host) {
+            return Err(HeadError::Malformed("invalid Host header"));
+        }
     }
     let cl = content_length(&headers)?;
     let te = transfer_encoding(&headers);
@@ -1196,6 +1252,38 @@ mod tests {
         // The controls: one Host, and HTTP/1.0 without one.
         assert!(parse("GET / HTTP/1.1\r\nHOST: a:8080\r\n\r\n").is_ok());
         assert!(parse("GET / HTTP/1.0\r\n\r\n").is_ok());
+    }
+
+    #[test]
+    fn a_host_value_that_is_no_authority_is_refused() {
+        let parse = |host: &str| {
+            let head = format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n");
+            match parse_request(head.as_bytes()) {
+                Ok(HeadParse::Complete(..)) => Ok(()),
+                Ok(HeadParse::Partial) => panic!("partial"),
+                Err(e) => Err(e),
+            }
+        };
+        for bad in [
+            "a b", "a/b", "a\\b", ".a", "a..b", "a@b", "a\tb", "h\"x", "é",
+        ] {
+            assert!(
+                matches!(parse(bad), Err(HeadError::Malformed("invalid Host header"))),
+                "{bad:?}"
+            );
+        }
+        for good in [
+            "",
+            "llm.internal",
+            "llm.internal.",
+            "127.0.0.1:8080",
+            "[::1]:8080",
+            "a-b_c~d.example",
+            "xn--bcher-kva.example",
+            "%41b",
+        ] {
+            assert!(parse(good).is_ok(), "{good:?}");
+        }
     }
 
     #[test]
