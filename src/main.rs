@@ -6,6 +6,23 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+/// `print!` that does not panic when stdout is closed early (`warmroute status | head`):
+/// what the reader no longer wants is dropped.
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stdout(), $($t)*);
+    }};
+}
+
+/// `println!`, the same way.
+macro_rules! outln {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+
 use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1};
 use warmroute::server::{ConfigSource, Overrides, Router};
 use warmroute::worker::AccessLogTarget;
@@ -92,7 +109,7 @@ fn parse_args() -> Result<Args, String> {
                 }
             },
             "-h" | "--help" => {
-                print!("{USAGE}");
+                out!("{USAGE}");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other:?}")),
@@ -166,7 +183,7 @@ fn bodylog_listen(args: &[String]) -> ExitCode {
     };
     match warmroute::bodylog::listener::run_listener_with(cfg) {
         Ok(h) => {
-            println!("listening on {} (metrics on {})", h.addr, h.metrics_addr);
+            outln!("listening on {} (metrics on {})", h.addr, h.metrics_addr);
             h.wait();
             ExitCode::SUCCESS
         }
@@ -209,7 +226,7 @@ fn check(config: Option<PathBuf>) -> ExitCode {
                 .map(ToString::to_string)
                 .chain(key_warnings)
             {
-                println!("warning: {w}");
+                outln!("warning: {w}");
             }
             let errors: Vec<String> = c
                 .soft_errors
@@ -218,10 +235,10 @@ fn check(config: Option<PathBuf>) -> ExitCode {
                 .chain(key_errors)
                 .collect();
             for e in &errors {
-                println!("error: {e}");
+                outln!("error: {e}");
             }
             if errors.is_empty() {
-                println!(
+                outln!(
                     "ok: {} route(s): {}",
                     c.routes.len(),
                     c.routes
@@ -232,15 +249,15 @@ fn check(config: Option<PathBuf>) -> ExitCode {
                 );
                 ExitCode::SUCCESS
             } else {
-                println!("{} error(s)", errors.len());
+                outln!("{} error(s)", errors.len());
                 ExitCode::FAILURE
             }
         }
         Err(errs) => {
             for e in &errs {
-                println!("error: {e}");
+                outln!("error: {e}");
             }
-            println!("{} error(s)", errs.len());
+            outln!("{} error(s)", errs.len());
             ExitCode::FAILURE
         }
     }
@@ -274,7 +291,7 @@ fn status(config: Option<PathBuf>, shm: Option<PathBuf>) -> ExitCode {
     };
     match warmroute::status::render(&path, loaded.as_ref()) {
         Ok(s) => {
-            print!("{}", s.text);
+            out!("{}", s.text);
             if s.running {
                 ExitCode::SUCCESS
             } else {
@@ -423,7 +440,7 @@ fn demo(overrides: Overrides) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    println!(
+    outln!(
         "{}",
         warmroute::demo::curl_lines(d.router.public_addr(), d.router.admin_addr())
     );

@@ -423,6 +423,19 @@ fn status_reads_the_segment_of_a_running_router() {
     let (code, text) = status(&["--shm".as_ref(), p.shm.as_os_str()]);
     assert_eq!(code, Some(0), "{text}");
     assert_eq!(row(&text, m.addr())[1..3], ["?", "1"], "{text}");
+    // A reader that stops early (`warmroute status | head -0`): the same exit code, no
+    // panic. The pipe's read end is closed before the command starts, so its write fails.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = Command::new(BIN)
+        .arg("status")
+        .args(["--shm".as_ref(), p.shm.as_os_str()])
+        .stdout(writer)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
     // With the configuration: the peer's name and limit.
     let cfg = d.0.join("warmroute.toml");
     let (code, text) = status(&["--config".as_ref(), cfg.as_os_str()]);
@@ -1339,4 +1352,98 @@ fn the_router_raises_its_soft_fd_limit_to_the_hard_one() {
     // Control: the process that started it still has the low limit it handed down.
     assert_eq!(warmroute_shm::nofile_limit().unwrap().0, low);
     warmroute_shm::set_nofile_soft(soft).unwrap();
+}
+
+/// A TCP sink counting the bytes each accepted connection sends (a stand-in body-log
+/// listener: the frames' content is tested in tests/bodylog_router.rs).
+fn byte_sink() -> (SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let n = std::sync::Arc::new(AtomicUsize::new(0));
+    let count = n.clone();
+    serve_each(l, move |mut s| {
+        let mut buf = [0u8; 4096];
+        while let Ok(k) = s.read(&mut buf) {
+            if k == 0 {
+                break;
+            }
+            count.fetch_add(k, Ordering::Relaxed);
+        }
+    });
+    (addr, n)
+}
+
+/// SPEC §12 and §2.1: a SIGHUP that names another `[bodylog] listener` sends the next
+/// records there, and `listener = ""` stops body logging. Before, the worker kept the
+/// sender it started with: records went on to the old listener after body logging was
+/// turned off.
+#[test]
+fn a_reload_moves_body_logging_to_the_new_listener_or_turns_it_off() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let d = temp_dir("bodylog-reload");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let (a, got_a) = byte_sink();
+    let (b, got_b) = byte_sink();
+    let (p, text) = start_serve_logging(&d.0, &format!("[bodylog]\nlistener = \"{a}\"\n"), &[]);
+    let chat = || {
+        assert_eq!(
+            request(
+                p.public,
+                &post_json("/a/v1/chat/completions", &chat_body("x", false), "")
+            )
+            .status,
+            200
+        )
+    };
+    let reload = |listener: String, generation: u32| {
+        server_file_with(
+            &d.0,
+            p.public.port(),
+            p.admin.port(),
+            &p.shm,
+            &format!("[bodylog]\nlistener = \"{listener}\"\n"),
+        );
+        p.signal("HUP");
+        eventually(Duration::from_secs(5), "reloaded", || {
+            text().contains(&format!("configuration reloaded generation={generation}"))
+        });
+        // Each of the 2 workers takes the new snapshot at its next tick and says so.
+        let changes = 2 * (generation as usize - 1);
+        eventually(Duration::from_secs(5), "both workers switched", || {
+            text().matches("body-log listener changed").count() == changes
+        });
+    };
+    // The control: records reach the first listener.
+    chat();
+    eventually(Duration::from_secs(5), "a record at A", || {
+        got_a.load(Relaxed) > 0
+    });
+    reload(b.to_string(), 2);
+    let a_before = got_a.load(Relaxed);
+    for _ in 0..4 {
+        chat();
+    }
+    eventually(Duration::from_secs(5), "records at B", || {
+        got_b.load(Relaxed) > 0
+    });
+    assert_eq!(got_a.load(Relaxed), a_before, "nothing more goes to A");
+    let st = request(p.public, &get("/a/_bodylog_status")).json();
+    assert_eq!(st["enabled"], true, "{st}");
+    // Off: nothing goes anywhere, and the status says so.
+    reload(String::new(), 3);
+    let (a_off, b_off) = (got_a.load(Relaxed), got_b.load(Relaxed));
+    for _ in 0..4 {
+        chat();
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        (got_a.load(Relaxed), got_b.load(Relaxed)),
+        (a_off, b_off),
+        "{}",
+        text()
+    );
+    let st = request(p.public, &get("/a/_bodylog_status")).json();
+    assert_eq!(st["enabled"], false, "{st}");
 }

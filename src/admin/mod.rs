@@ -594,7 +594,7 @@ fn route_endpoint(
             let mut v = json!({
                 "route": route.name(),
                 "listener": snap.config.server.bodylog_listener,
-                "enabled": ctx.bodylog.is_some() && cells::toggle(seg, route.slot, cells::route::TOGGLE_BODYLOG, opts.bodylog),
+                "enabled": ctx.bodylog_on() && cells::toggle(seg, route.slot, cells::route::TOGGLE_BODYLOG, opts.bodylog),
                 "sample_pct": pct,
                 "route_queued": seg.route_cell(route.slot, cells::route::BODYLOG_QUEUED).load(Relaxed),
                 "route_dropped": seg.route_cell(route.slot, cells::route::BODYLOG_DROPPED).load(Relaxed),
@@ -602,7 +602,7 @@ fn route_endpoint(
                 "worker_pid": std::process::id(),
                 "now": warmroute_shm::now_ms(),
             });
-            if let Some(sender) = &ctx.bodylog {
+            if let Some(sender) = &ctx.bodylog() {
                 let st = sender.stats();
                 v["logger_initted"] = json!(true);
                 v["write_count"] = json!(st.written);

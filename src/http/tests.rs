@@ -154,8 +154,9 @@ fn mutated_heads_parse_to_heads_that_write_back_the_same() {
         let _ = parse_response(&req, false);
     }
     // The control: most mutations leave a complete head to check, so the properties above
-    // were exercised, not skipped.
-    assert!(req_complete > 5_000, "{req_complete} complete requests");
+    // were exercised, not skipped. (Requests: ~4,800 of 15,000; a mutated Host value is
+    // now refused as well.)
+    assert!(req_complete > 4_000, "{req_complete} complete requests");
     assert!(res_complete > 5_000, "{res_complete} complete responses");
 }
 

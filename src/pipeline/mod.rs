@@ -1191,7 +1191,9 @@ fn bodylog_capture(
     body: &[u8],
     inserted_at: Option<usize>,
 ) -> Option<crate::bodylog::capture::Capture> {
-    ctx.bodylog.as_ref()?;
+    if !ctx.bodylog_on() {
+        return None;
+    }
     let seg = &ctx.shared.seg;
     let opts = &route.cfg.opts;
     if !cells::toggle(seg, route.slot, cells::route::TOGGLE_BODYLOG, opts.bodylog) {
@@ -1241,7 +1243,7 @@ fn bodylog_send(
     capture: crate::bodylog::capture::Capture,
     e: &BodylogEntry<'_>,
 ) {
-    let Some(sender) = ctx.bodylog.as_ref() else {
+    let Some(sender) = ctx.bodylog() else {
         return;
     };
     let secs = |t: Option<Instant>| {

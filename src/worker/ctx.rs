@@ -64,7 +64,9 @@ pub struct WorkerCtx {
     /// Spare request-body buffers for large bodies (see [`SpareBodies`]).
     pub bodies: SpareBodies,
     /// This worker's body-log sender, when a listener is configured (fixed at start).
-    pub bodylog: Option<Rc<crate::bodylog::sender::Sender>>,
+    /// The body-log sender for the server file's `[bodylog] listener`, replaced when a
+    /// reload names another listener (or none).
+    bodylog: RefCell<Option<Rc<crate::bodylog::sender::Sender>>>,
     /// Wall-clock milliseconds for the monotonic times a request already took.
     pub wall: WallClock,
     /// Requests started and finished, for the busy-poll task (`busy_poll_us`).
@@ -304,19 +306,7 @@ impl WorkerCtx {
             server.upstream_idle_per_peer,
             std::time::Duration::from_millis(server.upstream_idle_timeout_ms),
         );
-        let bodylog = server.bodylog_listener.as_deref().and_then(|l| {
-            use std::net::ToSocketAddrs;
-            match l.to_socket_addrs().map(|mut a| a.next()) {
-                Ok(Some(addr)) => Some(crate::bodylog::sender::Sender::new(addr)),
-                _ => {
-                    tracing::error!(
-                        listener = l,
-                        "body-log listener address does not resolve; body logging is off"
-                    );
-                    None
-                }
-            }
-        });
+        let bodylog = RefCell::new(bodylog_sender(server.bodylog_listener.as_deref()));
         let seed = (std::process::id() as u64) << 32
             ^ (index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
             ^ shared.started.elapsed().as_nanos() as u64;
@@ -363,7 +353,34 @@ impl WorkerCtx {
         );
         self.busy_poll
             .set_mode(busy_poll_mode(&s, self.driver, self.shared.workers_total));
-        *self.snapshot.borrow_mut() = Rc::new(s);
+        let listener = s.config.server.bodylog_listener.clone();
+        let before = std::mem::replace(&mut *self.snapshot.borrow_mut(), Rc::new(s));
+        if before.config.server.bodylog_listener != listener {
+            // A reload that names another body-log listener, or none: the old sender stops
+            // (what it still queued is dropped and counted) and a new one starts.
+            let fresh = bodylog_sender(listener.as_deref());
+            if let Some(sender) = &fresh {
+                monoio::spawn(sender.clone().run());
+            }
+            if let Some(old) = self.bodylog.replace(fresh) {
+                old.stop();
+            }
+            tracing::info!(
+                worker = self.index,
+                listener = listener.as_deref().unwrap_or("(off)"),
+                "body-log listener changed"
+            );
+        }
+    }
+
+    /// The running body-log sender, if body logging has a listener.
+    pub fn bodylog(&self) -> Option<Rc<crate::bodylog::sender::Sender>> {
+        self.bodylog.borrow().clone()
+    }
+
+    /// Whether body logging has a listener: no reference count is touched.
+    pub fn bodylog_on(&self) -> bool {
+        self.bodylog.borrow().is_some()
     }
 
     /// A relay buffer: a spare one, or a new one.
@@ -427,6 +444,22 @@ impl WorkerCtx {
         x ^= x >> 27;
         self.rng.set(x);
         x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+}
+
+/// A body-log sender for `listener` (`None` or unresolvable: body logging is off).
+fn bodylog_sender(listener: Option<&str>) -> Option<Rc<crate::bodylog::sender::Sender>> {
+    use std::net::ToSocketAddrs;
+    let l = listener?;
+    match l.to_socket_addrs().map(|mut a| a.next()) {
+        Ok(Some(addr)) => Some(crate::bodylog::sender::Sender::new(addr)),
+        _ => {
+            tracing::error!(
+                listener = l,
+                "body-log listener address does not resolve; body logging is off"
+            );
+            None
+        }
     }
 }
 

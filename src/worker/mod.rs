@@ -265,8 +265,8 @@ fn worker_main(
                 "busy_poll_us is ignored on the epoll fallback; the worker waits for events as usual"
             );
         }
-        if let Some(sender) = &ctx.bodylog {
-            monoio::spawn(sender.clone().run());
+        if let Some(sender) = ctx.bodylog() {
+            monoio::spawn(sender.run());
         }
         shared.workers_ready.fetch_add(1, Ordering::AcqRel);
         let mut log_reopens = shared.log_reopens.load(Ordering::Acquire);
@@ -304,7 +304,7 @@ fn worker_main(
         }
         // The worker is done serving: a stuck stderr may hold it up to a second here.
         ctx.access_log.borrow_mut().finish(Duration::from_secs(1));
-        if let Some(sender) = &ctx.bodylog {
+        if let Some(sender) = ctx.bodylog() {
             sender.stop();
         }
         shared.seg.release_worker(wid);
