@@ -45,7 +45,7 @@ pub fn start(
     }
     let ports: Vec<u16> = mocks.iter().map(|m| m.addr().port()).collect();
     let server = format!(
-        "listen = \"{listen}\"\nadmin_listen = \"{admin}\"\nshm_path = \"/dev/shm/warmroute-demo-{}\"\n",
+        "listen = \"{listen}\"\nadmin_listen = \"{admin}\"\nshm_path = \"/dev/shm/warmroute-demo-{}\"\napi_keys_file = \"\"\n",
         listen.port()
     );
     let source = ConfigSource::Embedded {

@@ -194,8 +194,13 @@ fn retire_previous(workers: &Workers, seg: &Segment) {
 /// Load the key file, logging when authentication is off (fail-open).
 /// Load the key file and log what was found. `was_unset`: the running configuration had no
 /// key file either, so a reload does not repeat that warning (problems are repeated).
-fn load_keys(config: &Config, was_unset: bool) -> KeyFile {
+/// Read the key file; say what it gave when that differs from `before` (the status at the
+/// last load: a reload that finds the file as it was says nothing).
+fn load_keys(config: &Config, before: Option<(&Option<PathBuf>, KeyFileStatus)>) -> KeyFile {
     let kf = load_key_file(config.server.api_keys_file.as_deref());
+    if before.is_some_and(|(p, s)| *p == kf.path && s == kf.status && s != KeyFileStatus::Ok) {
+        return kf;
+    }
     let path = kf
         .path
         .as_ref()
@@ -207,10 +212,9 @@ fn load_keys(config: &Config, was_unset: bool) -> KeyFile {
             path,
             "API key file is present but unreadable: authentication is OFF (fail-open)"
         ),
-        KeyFileStatus::Unset if was_unset => {}
         KeyFileStatus::Unset => tracing::warn!(
             path,
-            "no API key file configured: routes without their own api_keys accept every request"
+            "key files are off (api_keys_file = \"\"): routes without their own api_keys accept every request"
         ),
         status => tracing::error!(
             path,
@@ -268,7 +272,7 @@ impl Router {
                 format!("shared segment {}: {e}", server.shm_path.display()),
             ))
         })?);
-        let keys = Arc::new(load_keys(&config, false));
+        let keys = Arc::new(load_keys(&config, None));
         let snapshot = Arc::new(
             Snapshot::build(config.clone(), keys.clone(), &seg, 1)
                 .map_err(|e| StartError::Io(io::Error::other(e)))?,
@@ -357,10 +361,7 @@ impl Router {
             fresh.server.shm_path = old.shm_path.clone();
         }
         let fresh = Arc::new(fresh);
-        let mut keys = Arc::new(load_keys(
-            &fresh,
-            self.config.server.api_keys_file.is_none(),
-        ));
+        let mut keys = Arc::new(load_keys(&fresh, Some((&self.keys.path, self.keys.status))));
         // A key file that was read and is now empty or unreadable is taken for a write in
         // progress (an editor truncating it first) or a broken mount, not for a decision to
         // drop authentication: the keys in force stay. Fail-open is for a router that never

@@ -634,6 +634,44 @@ fn a_crashed_router_leaves_no_phantom_in_flight() {
     assert_eq!(r.json()["p0"], 0);
 }
 
+/// SPEC §11: a router killed while it drains after a takeover leaves rows with in-flight
+/// counts in the segment; the new router frees them within seconds. Before, they held
+/// pool slots until yet another router started.
+#[test]
+fn a_router_killed_while_draining_leaves_no_phantom_in_flight() {
+    let d = temp_dir("crash-drain");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let mut old = start_serve(&d.0);
+    let mut s = connect(old.public);
+    s.write_all(&post_json(
+        "/a/v1/chat/completions",
+        &chat_body("x", true),
+        "x-mock-hang-ms: 20000\r\n",
+    ))
+    .unwrap();
+    eventually(Duration::from_secs(5), "request in the engine", || {
+        m.stats().active == 1
+    });
+    let child = spawn_serve(&d.0.join("warmroute.toml"), &["--takeover"]);
+    let mut new = Proc {
+        child,
+        public: old.public,
+        admin: old.admin,
+        shm: old.shm.clone(),
+    };
+    assert!(wait_ready_or_exit(&mut new, &d.0), "the new router exited");
+    // The control: the old router's request counts in the segment the new one reads.
+    let active = || request(new.public, &get("/a/_active_conns")).json()["p0"].clone();
+    assert_eq!(active(), 1);
+    old.signal("KILL");
+    old.wait_exit(Duration::from_secs(5)).expect("killed");
+    drop(s);
+    eventually(Duration::from_secs(10), "the dead rows freed", || {
+        active() == 0
+    });
+}
+
 fn chat_with_key(p: &Proc, route: &str, key: &str, extra: &str) -> Resp {
     request(
         p.public,
@@ -1007,13 +1045,18 @@ fn reloads_do_not_repeat_the_no_key_file_warning() {
             text().contains(&format!("configuration reloaded generation={generation}"))
         });
     }
-    // Said once, at start (the control: it is said), not again on each reload.
+    // Said once, at start (the control: it is said), not again on each reload. The server
+    // file names no key file, so the default one (SPEC §2.1) is read: it is not on this
+    // machine, and the status says so.
     let all = text();
     assert_eq!(
-        all.matches("no API key file configured").count(),
+        all.matches("no API keys: authentication is OFF").count(),
         1,
         "{all}"
     );
+    assert!(all.contains("/etc/warmroute/api-keys/keys"), "{all}");
+    let hs = request(p.public, &get("/a/_health_status")).json();
+    assert_eq!(hs["_meta"]["key_file_status"], "missing", "{hs}");
 }
 
 #[test]

@@ -714,10 +714,26 @@ impl Segment {
 
     /// Free every row whose owner pid is dead (`kill(pid, 0)` says ESRCH); returns how many.
     pub fn reclaim_dead(&self) -> u32 {
+        self.reclaim_dead_where(|_| true)
+    }
+
+    /// [`Segment::reclaim_dead`] for the rows that are also quiet: no heartbeat for
+    /// `quiet_ms` before `now_ms`. A running router calls this periodically, so a process
+    /// killed while it drained (after a takeover) leaves no in-flight counts behind; the
+    /// heartbeat condition keeps it from freeing the rows of a live router whose pid this
+    /// process cannot see (another pid namespace sharing the segment), which beats every
+    /// few tens of milliseconds.
+    pub fn reclaim_dead_quiet(&self, now_ms: u64, quiet_ms: u64) -> u32 {
+        self.reclaim_dead_where(|row| {
+            now_ms.saturating_sub(row.heartbeat_ms.load(Ordering::Relaxed)) >= quiet_ms
+        })
+    }
+
+    fn reclaim_dead_where(&self, also: impl Fn(&WorkerRow) -> bool) -> u32 {
         let mut n = 0;
         for (i, row) in self.worker_rows().iter().enumerate() {
             let v = row.pid.load(Ordering::Acquire);
-            if v == 0 || pid_alive(v & !RESETTING) {
+            if v == 0 || !also(row) || pid_alive(v & !RESETTING) {
                 continue;
             }
             let me = RESETTING | std::process::id();

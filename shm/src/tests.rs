@@ -426,6 +426,27 @@ fn dead_rows_are_reclaimed() {
 }
 
 #[test]
+fn dead_rows_are_reclaimed_once_quiet() {
+    let t = TempPath::new("reclaim-quiet");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let p = s.peer_slot("p").unwrap();
+    let dead = s.claim_worker(dead_pid(), 1).unwrap();
+    s.inflight_add(dead, p, 6);
+    let live = s.claim_worker(me(), 2).unwrap();
+    s.inflight_add(live, p, 1);
+    let now = now_ms();
+    s.heartbeat(dead, now);
+    s.heartbeat(live, now - 60_000);
+    // A dead row that beat 1 s ago is left alone; a live row that is quiet is too.
+    assert_eq!(s.reclaim_dead_quiet(now + 1_000, 5_000), 0);
+    assert_eq!(s.inflight(p), 7);
+    // The control: once quiet for 5 s, the dead row goes, the live one stays.
+    assert_eq!(s.reclaim_dead_quiet(now + 5_000, 5_000), 1);
+    assert_eq!(s.inflight(p), 1);
+    assert_eq!(s.inflight_of(live, p), 1);
+}
+
+#[test]
 fn lease_acquire_renew_expire_takeover() {
     let t = TempPath::new("lease");
     let s = Segment::open_or_create(&t.0, small()).unwrap();

@@ -67,6 +67,10 @@ pub struct ServerConfig {
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:8080";
 pub const DEFAULT_ADMIN_LISTEN: &str = "0.0.0.0:8090";
 pub const DEFAULT_MAX_BODY_SIZE_CEILING: u64 = 200 * 1024 * 1024;
+/// The key file read when the server file names none (SPEC §2.1); `api_keys_file = ""`
+/// turns key files off.
+pub const DEFAULT_API_KEYS_FILE: &str = "/etc/warmroute/api-keys/keys";
+
 /// Environment variable that replaces `api_keys_file`.
 pub const ENV_API_KEYS_FILE: &str = "WARMROUTE_API_KEYS_FILE";
 /// Environment variable that replaces `[bodylog] listener`.
@@ -89,7 +93,7 @@ impl Default for ServerConfig {
             workers: 0,
             routes_dir: PathBuf::from("routes"),
             shm_path: default_shm_path(&listen),
-            api_keys_file: None,
+            api_keys_file: Some(PathBuf::from(DEFAULT_API_KEYS_FILE)),
             max_body_size_ceiling: DEFAULT_MAX_BODY_SIZE_CEILING,
             drain_timeout_s: 300,
             client_idle_timeout_ms: 75_000,
@@ -191,7 +195,12 @@ pub(crate) fn parse_server(
                     continue;
                 };
                 if s.trim().is_empty() {
-                    d.error(k, "must not be empty");
+                    if k == "api_keys_file" {
+                        // "" = no key file, not even the default one.
+                        c.api_keys_file = None;
+                    } else {
+                        d.error(k, "must not be empty");
+                    }
                     continue;
                 }
                 match k {

@@ -71,7 +71,10 @@ fn defaults_with_no_files() {
     assert_eq!(s.workers, 0);
     assert_eq!(s.routes_dir, dir.0.join("routes"));
     assert_eq!(s.shm_path, Path::new("/dev/shm/warmroute-8080"));
-    assert_eq!(s.api_keys_file, None);
+    assert_eq!(
+        s.api_keys_file.as_deref(),
+        Some(Path::new("/etc/warmroute/api-keys/keys"))
+    );
     assert_eq!(s.max_body_size_ceiling, 200 << 20);
     assert_eq!(s.drain_timeout_s, 300);
     assert_eq!(s.client_idle_timeout_ms, 75_000);
@@ -147,6 +150,9 @@ fn env_overrides() {
         Some(Path::new("/etc/keys"))
     );
     assert_eq!(c.server.bodylog_listener, None);
+    // "" turns key files off, the default path included.
+    let c = load_strs_with(Some("api_keys_file = \"\""), &[], &no_env).unwrap();
+    assert_eq!(c.server.api_keys_file, None);
     // A bad value from the environment is an error too.
     let bad = |k: &str| (k == "BODYLOG_LISTENER_HOST").then(|| "nohostport".to_string());
     let e = load_strs_with(None, &[], &bad).unwrap_err();

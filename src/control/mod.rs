@@ -21,6 +21,9 @@ use crate::worker::WorkerCtx;
 const LEASE_TICK: Duration = Duration::from_millis(500);
 /// Lease lifetime: a dead holder is replaced within this plus one tick.
 const LEASE_TTL_MS: u64 = 2_000;
+/// How long a dead process's worker row must have gone without a heartbeat (live workers
+/// beat every 50 ms) before the lease holder frees it.
+const DEAD_ROW_QUIET_MS: u64 = 2_000;
 
 /// The lease-holder loop, started on every worker.
 pub async fn run(ctx: Rc<WorkerCtx>) {
@@ -49,6 +52,16 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
         }
         if !has {
             continue;
+        }
+        // A process that died without freeing its rows (killed while it drained after a
+        // takeover) would hold its in-flight counts against the pools' limits for good:
+        // its rows are freed once it has been silent for DEAD_ROW_QUIET_MS (SPEC §11).
+        let reclaimed = seg.reclaim_dead_quiet(now, DEAD_ROW_QUIET_MS);
+        if reclaimed > 0 {
+            tracing::warn!(
+                rows = reclaimed,
+                "reclaimed worker rows of a dead process, with their in-flight counts"
+            );
         }
         let snap = ctx.snapshot();
         let now_s = now / 1000;
