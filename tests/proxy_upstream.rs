@@ -240,6 +240,11 @@ fn connect_failure_moves_to_another_peer() {
     let r = request(env2.public(), &get("/r/x"));
     assert_eq!(r.status, 502);
     assert_eq!(r.json()["error"]["type"], "upstream_connect_failed");
+    // The router's own 502 still says which peer failed and after how many attempts
+    // (SPEC §3.7), as the proxied answers above do.
+    assert_eq!(r.header("x-routed-peer"), Some("p0"));
+    assert_eq!(r.header("x-routed-retries"), Some("0"));
+    assert!(r.header("x-routed-mode").is_some());
     assert_eq!(inflight_total(&env, "r") + inflight_total(&env2, "r"), 0);
 }
 

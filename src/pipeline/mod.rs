@@ -250,11 +250,28 @@ async fn refuse_counted(
     route: Option<&str>,
     keep: bool,
 ) -> (bool, u64) {
+    refuse_counted_with(conn, head, e, route, keep, &[]).await
+}
+
+/// [`refuse_counted`] with `extra` header lines after the error's own.
+async fn refuse_counted_with(
+    conn: &mut ClientConn,
+    head: &RequestHead,
+    e: &ProxyError,
+    route: Option<&str>,
+    keep: bool,
+    extra: &[(&str, &str)],
+) -> (bool, u64) {
     if matches!(e, ProxyError::ClientGone) {
         return (false, 0);
     }
     let keep = keep && !e.closes();
-    let resp = json_response(e.status(), &e.body(route), e.headers(), !keep);
+    let resp = if extra.is_empty() {
+        json_response(e.status(), &e.body(route), e.headers(), !keep)
+    } else {
+        let all: Vec<(&str, &str)> = e.headers().iter().chain(extra).copied().collect();
+        json_response(e.status(), &e.body(route), &all, !keep)
+    };
     let head_len = resp
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
@@ -1094,8 +1111,23 @@ async fn proxy(
     }
     let (status, keep, stats, routed, end) = match phase {
         Phase::Failed(e, routed) => {
+            // A request that reached a peer keeps its routing headers on the router's own
+            // error answer (502, 504): which peer failed and after how many attempts
+            // (SPEC §3.7).
+            let retries = routed.as_ref().map(|r| r.retries.to_string());
+            let extra: Vec<(&str, &str)> = match (&routed, &retries, routing.expose) {
+                (Some(r), Some(n), true) => vec![
+                    ("X-Routed-Session", &routing.session),
+                    ("X-Routed-Source", &routing.source),
+                    ("X-Routed-Mode", routing.mode),
+                    ("X-Routed-Peer", &r.peer.name),
+                    ("X-Routed-Retries", n),
+                ],
+                _ => Vec::new(),
+            };
             let (keep, body_bytes) =
-                refuse_counted(conn, head, &e, Some(route.name()), keep_client()).await;
+                refuse_counted_with(conn, head, &e, Some(route.name()), keep_client(), &extra)
+                    .await;
             let end = if matches!(e, ProxyError::ClientGone) {
                 relay::END_CLIENT_GONE
             } else {
