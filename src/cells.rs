@@ -50,6 +50,29 @@ pub mod owner {
     pub const COMPLETION_TOKENS: usize = 3;
 }
 
+/// Responses by status class, in a route slot of their own keyed `<route>#status`:
+/// cell `c - 1` counts the `c`xx answers (1xx..5xx), the router's own included.
+pub mod status {
+    use warmroute_shm::{RouteSlot, Segment};
+
+    /// The classes, in cell order, as the metric labels them.
+    pub const CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
+
+    /// The cell of `status`, or `None` outside 100..=599.
+    pub fn cell(status: u16) -> Option<usize> {
+        matches!(status, 100..=599).then(|| usize::from(status / 100) - 1)
+    }
+
+    pub fn slot(seg: &Segment, route: &str) -> Option<RouteSlot> {
+        let k = format!("{route}#status");
+        seg.route_slot(if k.len() <= warmroute_shm::MAX_KEY_BYTES {
+            &k
+        } else {
+            "#status-long-route-names"
+        })
+    }
+}
+
 /// Per-route cells.
 pub mod route {
     pub const REQUESTS: usize = 0;

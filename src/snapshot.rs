@@ -103,6 +103,9 @@ pub struct RouteRt {
     /// Session turn priority: the route's state slot and its bucket table, resolved once.
     pub prio_slot: RouteSlot,
     pub prio_table: Vec<crate::config::PrioBucket>,
+    /// Responses by status class (`cells::status`): a slot of its own, keyed
+    /// `<route>#status`.
+    pub status_slot: RouteSlot,
 }
 
 impl RouteRt {
@@ -242,6 +245,12 @@ impl Snapshot {
                     )
                 })?,
                 prio_table: crate::control::prio_state::table(&rc.opts),
+                status_slot: crate::cells::status::slot(seg, &rc.name).ok_or_else(|| {
+                    format!(
+                        "shared segment has no free slot for the status counts of route {}",
+                        rc.name
+                    )
+                })?,
             }));
         }
         let mut names: Vec<String> = routes

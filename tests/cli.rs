@@ -662,13 +662,21 @@ fn a_router_killed_while_draining_leaves_no_phantom_in_flight() {
     };
     assert!(wait_ready_or_exit(&mut new, &d.0), "the new router exited");
     // The control: the old router's request counts in the segment the new one reads.
-    let active = || request(new.public, &get("/a/_active_conns")).json()["p0"].clone();
-    assert_eq!(active(), 1);
+    // (While the old router lets go of the shared port a connection may land on it and be
+    // reset: such a read is tried again.)
+    let active = || {
+        try_request(new.public, &get("/a/_active_conns"))
+            .ok()
+            .map(|r| r.json()["p0"].clone())
+    };
+    eventually(Duration::from_secs(5), "the old request counted", || {
+        active() == Some(1.into())
+    });
     old.signal("KILL");
     old.wait_exit(Duration::from_secs(5)).expect("killed");
     drop(s);
     eventually(Duration::from_secs(10), "the dead rows freed", || {
-        active() == 0
+        active() == Some(0.into())
     });
 }
 

@@ -781,3 +781,32 @@ fn ttft_and_decode_rate_histograms_and_tokens() {
         .any(|k| k.starts_with("warmroute_pool_effective_limit{")));
     promtool_check(&text);
 }
+
+/// SPEC §10: `/metrics` has the statuses. Each answer on a route counts once in its class:
+/// the peer's 200 and 500, and the router's own 413 (a body over the route's limit).
+#[test]
+fn responses_are_counted_by_status_class() {
+    let m = mock("m0");
+    let env = start(
+        &[("r", route_for(&[m.addr()], "max_body_size = \"1k\"\n"))],
+        "",
+    );
+    let chat = |extra: &str, content: &str| {
+        request(
+            env.public(),
+            &post_json("/r/v1/chat/completions", &chat_body(content, false), extra),
+        )
+        .status
+    };
+    for _ in 0..3 {
+        assert_eq!(chat("", "x"), 200);
+    }
+    assert_eq!(chat("x-mock-status: 500\r\n", "x"), 500);
+    assert_eq!(chat("", &"y".repeat(4096)), 413);
+    let class = |c: &str| format!(r#"warmroute_responses_total{{route="r",code="{c}"}}"#);
+    let (_, series) = scrape(&env);
+    assert_eq!(val(&series, &class("2xx")), 3.0);
+    assert_eq!(val(&series, &class("5xx")), 1.0);
+    assert_eq!(val(&series, &class("4xx")), 1.0);
+    assert_eq!(val(&series, &class("3xx")), 0.0);
+}

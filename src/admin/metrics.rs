@@ -69,6 +69,7 @@ const FAMILIES: &[Family] = &[
     access_log_dropped,
     log_dropped,
     route_requests,
+    route_responses,
     route_rejected,
     route_unavailable,
     route_unauthorized,
@@ -582,6 +583,23 @@ fn route_requests(x: &mut Exposition, s: &Sources) {
         "Requests received on the route's proxy endpoints.",
         cells::route::REQUESTS,
     );
+}
+
+fn route_responses(x: &mut Exposition, s: &Sources) {
+    let mut f = x.family(
+        "warmroute_responses_total",
+        Kind::Counter,
+        "Answers on the route's proxy endpoints by status class, the router's own included.",
+    );
+    for r in &s.routes {
+        for (i, class) in cells::status::CLASSES.iter().enumerate() {
+            f.sample_with(
+                &r.labels,
+                &[("code", class)],
+                s.seg.route_cell(r.rt.status_slot, i).load(Relaxed),
+            );
+        }
+    }
 }
 
 fn route_rejected(x: &mut Exposition, s: &Sources) {

@@ -1733,6 +1733,13 @@ fn unparsed_access_log(ctx: &WorkerCtx, status: u16) {
 }
 
 fn access_log(ctx: &WorkerCtx, e: &AccessEntry<'_>) {
+    // Every answer on a route passes here once, logged or not: its status class is counted.
+    if let (Some(r), Some(c)) = (e.route, cells::status::cell(e.status)) {
+        ctx.shared
+            .seg
+            .route_cell(r.status_slot, c)
+            .fetch_add(1, Relaxed);
+    }
     let mut log = ctx.access_log.borrow_mut();
     if !log.enabled() {
         return;
