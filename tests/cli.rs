@@ -597,22 +597,32 @@ fn sigterm_drains_in_flight_streams_then_exits() {
     assert!(status.success());
 }
 
-#[test]
-fn a_crashed_router_leaves_no_phantom_in_flight() {
-    let d = temp_dir("crash");
+/// A router on route `a` (one mock peer) with one streaming request held in the engine
+/// for `hang_ms`: the directory, the mock, the router and the client's connection.
+fn serve_holding_one(
+    tag: &str,
+    hang_ms: u64,
+) -> (Dir, warmroute_mock::MockServer, Proc, std::net::TcpStream) {
+    let d = temp_dir(tag);
     let m = mock("m0");
     std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
-    let mut p = start_serve(&d.0);
+    let p = start_serve(&d.0);
     let mut s = connect(p.public);
     s.write_all(&post_json(
         "/a/v1/chat/completions",
         &chat_body("x", true),
-        "x-mock-hang-ms: 10000\r\n",
+        &format!("x-mock-hang-ms: {hang_ms}\r\n"),
     ))
     .unwrap();
     eventually(Duration::from_secs(5), "request in the engine", || {
         m.stats().active == 1
     });
+    (d, m, p, s)
+}
+
+#[test]
+fn a_crashed_router_leaves_no_phantom_in_flight() {
+    let (d, _m, mut p, s) = serve_holding_one("crash", 10_000);
     let r = request(p.public, &get("/a/_active_conns"));
     assert_eq!(r.json()["p0"], 1, "control: the request is counted");
     p.signal("KILL");
@@ -639,20 +649,7 @@ fn a_crashed_router_leaves_no_phantom_in_flight() {
 /// pool slots until yet another router started.
 #[test]
 fn a_router_killed_while_draining_leaves_no_phantom_in_flight() {
-    let d = temp_dir("crash-drain");
-    let m = mock("m0");
-    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
-    let mut old = start_serve(&d.0);
-    let mut s = connect(old.public);
-    s.write_all(&post_json(
-        "/a/v1/chat/completions",
-        &chat_body("x", true),
-        "x-mock-hang-ms: 20000\r\n",
-    ))
-    .unwrap();
-    eventually(Duration::from_secs(5), "request in the engine", || {
-        m.stats().active == 1
-    });
+    let (d, _m, mut old, s) = serve_holding_one("crash-drain", 20_000);
     let child = spawn_serve(&d.0.join("warmroute.toml"), &["--takeover"]);
     let mut new = Proc {
         child,
