@@ -58,6 +58,12 @@ pub mod status {
     /// The classes, in cell order, as the metric labels them.
     pub const CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 
+    /// Cells 8..12: the route's rejection counts (`route::REJECT_CONCURRENCY`, `_TTFT`,
+    /// `_TPS`, `_RULE`, in that order) when `_429_status?reset=1` last ran. The status view
+    /// shows counts since then; the counters themselves, which `/metrics` exposes, only
+    /// grow.
+    pub const REJECT_BASE: usize = 8;
+
     /// The cell of `status`, or `None` outside 100..=599.
     pub fn cell(status: u16) -> Option<usize> {
         matches!(status, 100..=599).then(|| usize::from(status / 100) - 1)

@@ -364,6 +364,13 @@ fn concurrency_gate_429_and_all_banned_503() {
         true
     );
     assert_eq!(request(addr, &get("/r/_429_status")).json()["total"], 0);
+    // The reset is the view's: the Prometheus counter keeps its count (a counter that
+    // went back to 0 would read as a restart to rate()).
+    let metrics = request(env.admin(), &get("/metrics")).text();
+    assert!(
+        metrics.contains("warmroute_rejected_total{route=\"r\",gate=\"concurrency\"} 1\n"),
+        "{metrics}"
+    );
     // All peers down → 503 with Retry-After: 5.
     a.set_config(|c| c.health_status = Some(503));
     b.set_config(|c| c.health_status = Some(503));

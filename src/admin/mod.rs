@@ -283,13 +283,28 @@ fn tier_json(seg: &Segment, pool: &PoolRt, now: u64) -> Value {
     })
 }
 
+/// The route's rejection cells, in the order of `cells::status::REJECT_BASE`'s copies.
+const REJECT_CELLS: [usize; 4] = [
+    cells::route::REJECT_CONCURRENCY,
+    cells::route::REJECT_TTFT,
+    cells::route::REJECT_TPS,
+    cells::route::REJECT_RULE,
+];
+
+/// Rejections by gate since the last `_429_status?reset=1`.
 fn reject_counts(seg: &Segment, route: &RouteRt) -> Value {
-    let c = |i| seg.route_cell(route.slot, i).load(Relaxed);
+    let c = |k: usize| {
+        let now = seg.route_cell(route.slot, REJECT_CELLS[k]).load(Relaxed);
+        let base = seg
+            .route_cell(route.status_slot, cells::status::REJECT_BASE + k)
+            .load(Relaxed);
+        now.saturating_sub(base)
+    };
     json!({
-        "concurrency": c(cells::route::REJECT_CONCURRENCY),
-        "ttft": c(cells::route::REJECT_TTFT),
-        "tps": c(cells::route::REJECT_TPS),
-        "rule": c(cells::route::REJECT_RULE),
+        "concurrency": c(0),
+        "ttft": c(1),
+        "tps": c(2),
+        "rule": c(3),
     })
 }
 
@@ -542,14 +557,13 @@ fn route_endpoint(
                         Some(route.name()),
                     );
                 }
+                // The view starts again from zero; the counters behind warmroute_rejected_total
+                // keep counting (a Prometheus counter only grows).
                 for r in &scope {
-                    for i in [
-                        cells::route::REJECT_CONCURRENCY,
-                        cells::route::REJECT_TTFT,
-                        cells::route::REJECT_TPS,
-                        cells::route::REJECT_RULE,
-                    ] {
-                        seg.route_cell(r.slot, i).store(0, Relaxed);
+                    for (k, i) in REJECT_CELLS.into_iter().enumerate() {
+                        let now = seg.route_cell(r.slot, i).load(Relaxed);
+                        seg.route_cell(r.status_slot, cells::status::REJECT_BASE + k)
+                            .store(now, Relaxed);
                     }
                 }
                 return Response::json(
