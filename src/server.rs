@@ -191,9 +191,6 @@ fn retire_previous(workers: &Workers, seg: &Segment) {
     }
 }
 
-/// Load the key file, logging when authentication is off (fail-open).
-/// Load the key file and log what was found. `was_unset`: the running configuration had no
-/// key file either, so a reload does not repeat that warning (problems are repeated).
 /// Read the key file; say what it gave when that differs from `before` (the status at the
 /// last load: a reload that finds the file as it was says nothing).
 fn load_keys(config: &Config, before: Option<(&Option<PathBuf>, KeyFileStatus)>) -> KeyFile {

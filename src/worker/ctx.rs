@@ -63,7 +63,6 @@ pub struct WorkerCtx {
     loads: SpareVecs<crate::pipeline::peer_select::Load>,
     /// Spare request-body buffers for large bodies (see [`SpareBodies`]).
     pub bodies: SpareBodies,
-    /// This worker's body-log sender, when a listener is configured (fixed at start).
     /// The body-log sender for the server file's `[bodylog] listener`, replaced when a
     /// reload names another listener (or none).
     bodylog: RefCell<Option<Rc<crate::bodylog::sender::Sender>>>,
