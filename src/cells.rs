@@ -69,13 +69,10 @@ pub mod status {
         matches!(status, 100..=599).then(|| usize::from(status / 100) - 1)
     }
 
+    /// The route's row; a long route name is shortened with its checksum as peer keys
+    /// are, so two long names never share a row.
     pub fn slot(seg: &Segment, route: &str) -> Option<RouteSlot> {
-        let k = format!("{route}#status");
-        seg.route_slot(if k.len() <= warmroute_shm::MAX_KEY_BYTES {
-            &k
-        } else {
-            "#status-long-route-names"
-        })
+        seg.route_slot(&crate::snapshot::shorten_key(format!("{route}#status")))
     }
 }
 

@@ -151,7 +151,7 @@ pub fn peer_key(route: &str, model: Option<&str>, addr: SocketAddr) -> String {
     shorten_key(key)
 }
 
-fn shorten_key(key: String) -> String {
+pub(crate) fn shorten_key(key: String) -> String {
     const MAX: usize = 119;
     if key.len() <= MAX {
         return key;

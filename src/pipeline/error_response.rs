@@ -256,6 +256,17 @@ pub fn limit_json(v: f64) -> Value {
 
 /// A complete response with a JSON body.
 pub fn json_response(status: u16, body: &Value, extra: &[(&str, &str)], close: bool) -> Vec<u8> {
+    json_response_with_lines(status, body, extra, &[], close)
+}
+
+/// [`json_response`] with `lines`, whole header lines ending in CRLF, after `extra`.
+pub fn json_response_with_lines(
+    status: u16,
+    body: &Value,
+    extra: &[(&str, &str)],
+    lines: &[u8],
+    close: bool,
+) -> Vec<u8> {
     let body = serde_json::to_vec(body).unwrap_or_default();
     let mut out = Vec::with_capacity(160 + body.len());
     out.extend_from_slice(format!("HTTP/1.1 {status} {}\r\n", status_reason(status)).as_bytes());
@@ -265,6 +276,7 @@ pub fn json_response(status: u16, body: &Value, extra: &[(&str, &str)], close: b
     for (k, v) in extra {
         crate::http::write_header(&mut out, k.as_bytes(), v.as_bytes());
     }
+    out.extend_from_slice(lines);
     if close {
         out.extend_from_slice(b"Connection: close\r\n");
     }

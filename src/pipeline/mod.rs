@@ -253,25 +253,27 @@ async fn refuse_counted(
     refuse_counted_with(conn, head, e, route, keep, &[]).await
 }
 
-/// [`refuse_counted`] with `extra` header lines after the error's own.
+/// [`refuse_counted`] with `lines` (whole header lines, each ending in CRLF) after the
+/// error's own headers.
 async fn refuse_counted_with(
     conn: &mut ClientConn,
     head: &RequestHead,
     e: &ProxyError,
     route: Option<&str>,
     keep: bool,
-    extra: &[(&str, &str)],
+    lines: &[u8],
 ) -> (bool, u64) {
     if matches!(e, ProxyError::ClientGone) {
         return (false, 0);
     }
     let keep = keep && !e.closes();
-    let resp = if extra.is_empty() {
-        json_response(e.status(), &e.body(route), e.headers(), !keep)
-    } else {
-        let all: Vec<(&str, &str)> = e.headers().iter().chain(extra).copied().collect();
-        json_response(e.status(), &e.body(route), &all, !keep)
-    };
+    let resp = error_response::json_response_with_lines(
+        e.status(),
+        &e.body(route),
+        e.headers(),
+        lines,
+        !keep,
+    );
     let head_len = resp
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
@@ -1114,19 +1116,12 @@ async fn proxy(
             // A request that reached a peer keeps its routing headers on the router's own
             // error answer (502, 504): which peer failed and after how many attempts
             // (SPEC §3.7).
-            let retries = routed.as_ref().map(|r| r.retries.to_string());
-            let extra: Vec<(&str, &str)> = match (&routed, &retries, routing.expose) {
-                (Some(r), Some(n), true) => vec![
-                    ("X-Routed-Session", &routing.session),
-                    ("X-Routed-Source", &routing.source),
-                    ("X-Routed-Mode", routing.mode),
-                    ("X-Routed-Peer", &r.peer.name),
-                    ("X-Routed-Retries", n),
-                ],
-                _ => Vec::new(),
-            };
+            let mut lines = Vec::new();
+            if let Some(r) = &routed {
+                push_routed_headers(&mut lines, &routing, r);
+            }
             let (keep, body_bytes) =
-                refuse_counted_with(conn, head, &e, Some(route.name()), keep_client(), &extra)
+                refuse_counted_with(conn, head, &e, Some(route.name()), keep_client(), &lines)
                     .await;
             let end = if matches!(e, ProxyError::ClientGone) {
                 relay::END_CLIENT_GONE
@@ -1537,6 +1532,21 @@ impl relay::BodyFilter for crate::postprocess::PostProcessor {
     }
 }
 
+/// The `X-Routed-*` lines of a routed request (SPEC §3.7), when the route exposes them: on
+/// the peer's answer and on the router's own error answer after a peer was tried.
+fn push_routed_headers(out: &mut Vec<u8>, routing: &RoutingHeaders<'_>, routed: &Routed<'_>) {
+    if !routing.expose {
+        return;
+    }
+    write_header(out, b"X-Routed-Session", routing.session.as_bytes());
+    write_header(out, b"X-Routed-Source", routing.source.as_bytes());
+    write_header(out, b"X-Routed-Mode", routing.mode.as_bytes());
+    write_header(out, b"X-Routed-Peer", routed.peer.name.as_bytes());
+    out.extend_from_slice(b"X-Routed-Retries: ");
+    push_decimal(out, u64::from(routed.retries));
+    out.extend_from_slice(b"\r\n");
+}
+
 /// The `X-Routed-*` values of a request.
 struct RoutingHeaders<'a> {
     expose: bool,
@@ -1586,15 +1596,7 @@ fn client_head(
             // A peer's own routing headers never reach the client: ours describe this hop.
             || (name.len() > 9 && name_is(&name[..9], b"x-routed-")))
     });
-    if routing.expose {
-        write_header(out, b"X-Routed-Session", routing.session.as_bytes());
-        write_header(out, b"X-Routed-Source", routing.source.as_bytes());
-        write_header(out, b"X-Routed-Mode", routing.mode.as_bytes());
-        write_header(out, b"X-Routed-Peer", routed.peer.name.as_bytes());
-        out.extend_from_slice(b"X-Routed-Retries: ");
-        push_decimal(out, u64::from(routed.retries));
-        out.extend_from_slice(b"\r\n");
-    }
+    push_routed_headers(out, routing, routed);
     if client == ClientFraming::Chunked {
         out.extend_from_slice(b"Transfer-Encoding: chunked\r\n");
     }
