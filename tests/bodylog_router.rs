@@ -233,3 +233,91 @@ fn the_log_keeps_the_clients_body_when_the_router_injects_include_usage() {
     l.stop();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The access log's lines in `path`, parsed.
+fn access_lines(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("each access line is JSON"))
+        .collect()
+}
+
+/// `response_bytes` (access log) and `resp_bytes` (body log) are the body bytes the client
+/// received: a usage frame the router asked for (include_usage) and removed again is not
+/// among them. The control, a client that asked for usage itself, gets the frame and both
+/// counts include it.
+#[test]
+fn response_bytes_count_what_the_client_received_not_the_removed_usage_frame() {
+    let dir = shm_path("bodylog-bytes");
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let l = listener(port, &dir);
+    let m = mock("m0");
+    let log = shm_path("bytes-access");
+    let env = start_logging(
+        &[("r", route_for(&[m.addr()], ""))],
+        &format!("[bodylog]\nlistener = \"{port}\"\n"),
+        warmroute::worker::AccessLogTarget::File(log.clone()),
+    );
+    let ask = |sid: &str, own_usage: bool| {
+        let mut body: Value = serde_json::from_str(&chat_body("count my bytes", true)).unwrap();
+        if own_usage {
+            body["stream_options"] = serde_json::json!({"include_usage": true});
+        }
+        let r = request(
+            env.public(),
+            &post_json(
+                "/r/v1/chat/completions",
+                &body.to_string(),
+                &format!("x-session-id: {sid}\r\n"),
+            ),
+        );
+        assert_eq!(r.status, 200);
+        assert!(r.text().contains("[DONE]"), "{}", r.text());
+        r
+    };
+    let injected = ask("bytes-injected", false);
+    let own = ask("bytes-own", true);
+    // The feature ran: the router's frame was removed from the first, the second has its own.
+    assert!(
+        !injected.text().contains("\"usage\":{"),
+        "{}",
+        injected.text()
+    );
+    assert!(own.text().contains("\"usage\":{"), "{}", own.text());
+    assert!(own.body.len() > injected.body.len());
+
+    let line = |sid: &str| {
+        let mut found = None;
+        eventually(Duration::from_secs(10), "the access line", || {
+            found = access_lines(&log).into_iter().find(|l| l["session"] == sid);
+            found.is_some()
+        });
+        found.unwrap()
+    };
+    let (li, lo) = (line("bytes-injected"), line("bytes-own"));
+    // The router did read the removed frame: its tokens are logged.
+    assert_eq!(li["completion_tokens"], 4, "{li}");
+    assert_eq!(li["response_bytes"], injected.body.len() as u64, "{li}");
+    assert_eq!(lo["response_bytes"], own.body.len() as u64, "{lo}");
+
+    eventually(Duration::from_secs(20), "2 records written", || {
+        records(&dir).len() == 2
+    });
+    for r in records(&dir) {
+        let want = match r["session_id"].as_str() {
+            Some("bytes-injected") => injected.body.len(),
+            Some("bytes-own") => own.body.len(),
+            other => panic!("unexpected record {other:?}"),
+        };
+        assert_eq!(r["resp_bytes"], want as u64, "{}", r["session_id"]);
+    }
+    l.stop();
+    drop(env);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(&log);
+}

@@ -68,7 +68,8 @@ impl Capture {
         self.req_truncated = true;
     }
 
-    /// Feed response bytes as they go to the client. Empty chunks are ignored.
+    /// Feed the peer's response body bytes as they arrive (before the router's response
+    /// filters: the record keeps the raw upstream body). Empty chunks are ignored.
     pub fn push_response(&mut self, bytes: &[u8]) {
         if bytes.is_empty() {
             return;
@@ -102,7 +103,8 @@ impl Capture {
     }
 
     /// Build the record. When `meta` is an object, sets `req_body_truncated`,
-    /// `resp_body_truncated`, `resp_bytes` and `chunk_count` in it. The response is the head,
+    /// `resp_body_truncated`, `resp_bytes` (the bytes fed; the request path replaces it with
+    /// the bytes the client received) and `chunk_count` in it. The response is the head,
     /// then — if anything went past it — the marker
     /// `\n[BODYLOG_TRUNCATED <N> BYTES MISSING IN MIDDLE]\n` and the tail.
     pub fn finish(self, mut meta: Value) -> Record {

@@ -38,7 +38,8 @@
 //! | `model` | string | requested model, when known |
 //! | `stream` | bool | the request asked for a stream, when known (TTFT is only recorded for streams) |
 //! | `status` | u16 | status sent to the client |
-//! | `resp_bytes`, `chunk_count`, `resp_body_truncated` | u64/u64/bool | set by [`capture::Capture::finish`] |
+//! | `chunk_count`, `resp_body_truncated` | u64/bool | set by [`capture::Capture::finish`] (over the peer's body as it arrived) |
+//! | `resp_bytes` | u64 | body bytes the client received (the access log's `response_bytes`): without an injected usage frame the router removed, after post-processing; the recorded response body is the peer's, as it arrived |
 //! | `first_chunk_t`, `last_chunk_t`, `rt` | f64 seconds, ms precision | first body chunk (TTFT), end of body, whole request |
 //! | `prompt_tokens`, `cached_tokens`, `completion_tokens` | u64 | the router's own token counts, when it measured them; the listener falls back to the response's usage |
 //!

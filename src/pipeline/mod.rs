@@ -1308,7 +1308,13 @@ fn bodylog_send(
         put("cached_tokens", json!(u.cached_tokens));
         put("completion_tokens", json!(u.completion_tokens));
     }
-    let cell = if sender.try_send(capture.finish(meta)) {
+    let mut record = capture.finish(meta);
+    // `resp_bytes` is what the client received, as in the access line; the capture keeps
+    // the peer's body (an injected usage frame the client never got stays in the record).
+    if let Some(m) = record.meta.as_object_mut() {
+        m.insert("resp_bytes".into(), e.stats.body_bytes.into());
+    }
+    let cell = if sender.try_send(record) {
         cells::route::BODYLOG_QUEUED
     } else {
         cells::route::BODYLOG_DROPPED

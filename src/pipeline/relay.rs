@@ -54,6 +54,9 @@ pub const END_SHUTDOWN: &str = "shutdown";
 /// What the relay measured.
 #[derive(Debug, Default)]
 pub struct RelayStats {
+    /// Body bytes the client received, without the framing: what the response filters made
+    /// of the peer's body (an injected usage frame removed, post-processing), or the peer's
+    /// body as it is when no filter runs (the access log's `response_bytes`).
     pub body_bytes: u64,
     /// First non-empty body bytes, for TTFT.
     pub first_body_at: Option<Instant>,
@@ -340,7 +343,7 @@ pub async fn relay(
             }
             Tracker::Length(rem) => {
                 let take = (*rem).min(data.len() as u64) as usize;
-                note_body(stats, read_at, take);
+                note_body(stats, read_at, take, !decode);
                 stats.body(&data[..take]);
                 *rem -= take as u64;
                 if *rem == 0 {
@@ -367,7 +370,7 @@ pub async fn relay(
                         Some(pending),
                     );
                 };
-                note_body(stats, read_at, data_bytes);
+                note_body(stats, read_at, data_bytes, !decode);
                 if dec.is_done() {
                     finished = true;
                     clean = used == data.len();
@@ -375,7 +378,7 @@ pub async fn relay(
                 used
             }
             Tracker::UntilClose => {
-                note_body(stats, read_at, data.len());
+                note_body(stats, read_at, data.len(), !decode);
                 stats.body(data);
                 finished = eof;
                 clean = false;
@@ -397,6 +400,8 @@ pub async fn relay(
             // Filters mostly pass bytes through: room for all of them, grown once.
             body.reserve(new_bytes.len() + 64);
             filters.run(new_bytes, finished, &mut body);
+            // What the client gets of the body is what the filters gave.
+            stats.body_bytes += body.len() as u64;
             decoded.clear();
             if out.capacity() == 0 {
                 out = heads.take();
@@ -521,13 +526,18 @@ pub async fn relay(
     }
 }
 
-fn note_body(stats: &mut RelayStats, now: Instant, n: usize) {
+/// `n` body bytes arrived from the peer at `now`. `sent`: they reach the client as they
+/// are (no filter rewrites the body), so they count as the client's bytes too; otherwise
+/// the filters' output is counted where it is made.
+fn note_body(stats: &mut RelayStats, now: Instant, n: usize, sent: bool) {
     if n > 0 {
         stats.last_body_at = Some(now);
         if stats.first_body_at.is_none() {
             stats.first_body_at = Some(now);
         }
-        stats.body_bytes += n as u64;
+        if sent {
+            stats.body_bytes += n as u64;
+        }
     }
 }
 
