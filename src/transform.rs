@@ -959,8 +959,15 @@ fn line_end(s: &[u8]) -> Option<usize> {
     memchr::memchr2(b'\n', b'\r', s)
 }
 
-/// The value of a `data:` line (without its terminator): after `data:` and one optional space.
+/// The value of a `data` field line (without its terminator): after `data:` and one optional
+/// space, or empty for a bare `data` line (SSE: a line without a colon is a field name with
+/// an empty value). `None` for every other line of an event: `event:`, `id:`, `retry:`, a
+/// `:` comment or an unknown field, which a usage frame may carry too and which never
+/// change its data.
 fn data_value(line: &[u8]) -> Option<&[u8]> {
+    if line == b"data" {
+        return Some(b"");
+    }
     let rest = line.strip_prefix(b"data:")?;
     Some(rest.strip_prefix(b" ").unwrap_or(rest))
 }
@@ -991,7 +998,8 @@ pub struct UsageFrameFilter {
     held: Vec<u8>,
     /// Start (in `held`) of the current line.
     line_start: usize,
-    /// The first line of the held event is still to be completed.
+    /// The held event's first data line is still to be completed (other field lines, e.g.
+    /// `event:` or `id:`, may come before it).
     first_line: bool,
     /// Length of the current line while passing through (0 = at a line start).
     pass_line_len: usize,
@@ -1158,7 +1166,9 @@ impl UsageFrameFilter {
         let line = &self.held[self.line_start..];
         let k = line.len().min(5);
         if line[..k] != b"data:"[..k] {
-            return false;
+            // Another field (`event:`, `id:`, a comment): held with its event, whose data
+            // lines decide (SSE fields come in any order).
+            return true;
         }
         if self.first_line && line.len() > 5 {
             // the JSON of the first data line must open with `{`
@@ -1201,7 +1211,8 @@ impl UsageFrameFilter {
         let line = &self.held[self.line_start..self.line_start + line_len];
         let mut keep = true;
         match data_value(line) {
-            None => keep = false,
+            // Another field line: the event's data decides.
+            None => {}
             // The whole event is this one line and it has no usage object: it passes, and
             // whether its JSON is complete does not matter.
             Some(data) if self.first_line && event_ends && !has_usage_object(data) => {
@@ -1232,8 +1243,9 @@ impl UsageFrameFilter {
         }
     }
 
-    /// Is the held event (complete or cut off at end of stream) made only of `data:` lines
-    /// whose joined data is a usage-only frame? Captures the usage when it is.
+    /// Is the held event (complete or cut off at end of stream) one whose joined data lines
+    /// are a usage-only frame? Its other field lines (`event:`, `id:`, comments) go with it.
+    /// Captures the usage when it is.
     fn event_removable(&mut self) -> bool {
         let mut data: Vec<u8> = Vec::new();
         let mut lines = 0usize;
@@ -1242,10 +1254,7 @@ impl UsageFrameFilter {
         while i < h.len() {
             let end = line_end(&h[i..]).map_or(h.len(), |p| i + p);
             let line = &h[i..end];
-            if !line.is_empty() {
-                let Some(d) = data_value(line) else {
-                    return false;
-                };
+            if let Some(d) = data_value(line) {
                 if lines > 0 {
                     data.push(b'\n');
                 }
@@ -1803,7 +1812,9 @@ mod tests {
         // Random streams of the usual events and odd ones; fed whole, the one-line events
         // take the direct path, fed a byte at a time every event is held: same output,
         // same removals, same usage.
-        const EVENTS: [&str; 15] = [
+        const EVENTS: [&str; 17] = [
+            "event: message\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":8}}\n\n",
+            "id: 3\ndata: {\"choices\":[{\"delta\":{}}],\"usage\":{\"prompt_tokens\":9}}\nevent: x\n\n",
             CONTENT1,
             CONTENT2,
             USAGE,
@@ -1847,14 +1858,17 @@ mod tests {
     #[test]
     fn the_filters_usage_is_the_one_the_streams_tail_gives() {
         // The router takes a filtered stream's usage from the filter, which sees every
-        // event, instead of scanning the stream's tail afterwards: on streams of one-line
-        // events (what servers send), both give the same counts.
-        const EVENTS: [&str; 9] = [
+        // event, instead of scanning the stream's tail afterwards: on streams of events with
+        // one data line (what servers send, with or without `event:`/`id:` lines), both give
+        // the same counts.
+        const EVENTS: [&str; 11] = [
             CONTENT1,
             CONTENT2,
             USAGE,
             DONE,
             ": ping\n\n",
+            "event: message\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":8}}\n\n",
+            "event: x\nid: 3\ndata: {\"choices\":[{\"delta\":{}}],\"usage\":{\"prompt_tokens\":9}}\n\n",
             "data: {\"x\":\"usage\",\"usage\" : {\"prompt_tokens\":3}}\n\n",
             "data: {\"choices\":[],\"usage\" \t: \t{\"prompt_tokens\":6,\"completion_tokens\":2.0}}\n\n",
             "data: {\"x\":\"\\\"usage\\\"\",\"usage\": null}\n\n",
@@ -1923,9 +1937,65 @@ mod tests {
         let (out, f) = filter_all(&[s.as_bytes()]);
         assert_eq!(out, DONE.as_bytes());
         assert_eq!(f.usage().unwrap()["completion_tokens"], 9);
-        // an event with another field is not the injected frame
-        let s = "event: usage\ndata: {\"choices\":[],\"usage\":{}}\n\n";
-        assert_eq!(filter_all(&[s.as_bytes()]).0, s.as_bytes());
+    }
+
+    #[test]
+    fn a_usage_frame_with_other_fields_is_found_and_removed_whole() {
+        // SSE: an event's `event:`, `id:`, `retry:` and comment lines may come before or
+        // after its data lines; the data decides, and the whole event goes.
+        let frames = [
+            format!("event: message\n{USAGE}"),
+            format!("event: usage\nid: 42\n{USAGE}"),
+            format!(": usage follows\n{USAGE}"),
+            "id: 9\nretry: 3000\ndata: {\"choices\":[],\ndata: \"usage\":{\"prompt_tokens\":30,\"completion_tokens\":5,\"prompt_tokens_details\":{\"cached_tokens\":16}}}\nid: 10\n\n".to_string(),
+        ];
+        for frame in &frames {
+            for eol in ["\n", "\r\n", "\r"] {
+                let stream = [CONTENT1, CONTENT2, frame, DONE]
+                    .concat()
+                    .replace('\n', eol);
+                let want = [CONTENT1, CONTENT2, DONE].concat().replace('\n', eol);
+                let b = stream.as_bytes();
+                for i in 0..=b.len() {
+                    let (out, f) = filter_all(&[&b[..i], &b[i..]]);
+                    assert_eq!(
+                        String::from_utf8_lossy(&out),
+                        want,
+                        "split at {i} of {stream:?}"
+                    );
+                    assert_eq!(f.removed(), 1, "{stream:?}");
+                    let u = f.usage().and_then(usage_from_json).unwrap();
+                    assert_eq!(
+                        (u.prompt_tokens, u.completion_tokens, u.cached_tokens),
+                        (Some(30), Some(5), Some(16)),
+                        "{stream:?}"
+                    );
+                }
+            }
+        }
+        // A stream that ends inside such a frame loses it too (as a bare one).
+        let (out, f) = filter_all(&[[CONTENT1, "event: message\n", USAGE.trim_end()]
+            .concat()
+            .as_bytes()]);
+        assert_eq!(out, CONTENT1.as_bytes());
+        assert_eq!(f.removed(), 1);
+        // Events with other fields that are not usage-only pass byte for byte, their usage
+        // seen; events without data lines pass as they are.
+        for s in [
+            "event: message\ndata: {\"choices\":[{\"delta\":{}}],\"usage\":{\"completion_tokens\":3}}\n\n",
+            "event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"completion_tokens\":3}}\n\n",
+            "event: ping\n\n: keep-alive\n\nid: 7\n\n",
+            "event: message\ndata: {\"choices\":[],\"usage\":null}\n\n",
+        ] {
+            let b = s.as_bytes();
+            for i in 0..=b.len() {
+                let (out, f) = filter_all(&[&b[..i], &b[i..]]);
+                assert_eq!(String::from_utf8_lossy(&out), s, "split at {i}");
+                assert_eq!(f.removed(), 0);
+                let seen = f.usage().and_then(usage_from_json).and_then(|u| u.completion_tokens);
+                assert_eq!(seen, s.contains("completion_tokens").then_some(3), "{s:?}");
+            }
+        }
     }
 
     #[test]

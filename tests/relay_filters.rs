@@ -188,3 +188,82 @@ fn every_framing_client_version_and_filter_chain_gives_the_filtered_body() {
     }
     assert_eq!(n, 6 * 3 * 2 * 5);
 }
+
+/// A usage frame whose data line comes after other SSE fields (`event:`, `id:`) is still the
+/// frame the router's include_usage injection caused: removed from the client's copy, its
+/// tokens logged. The control, a client that asked for usage itself, gets the stream as the
+/// peer sent it, the frame with its fields included, and the same tokens.
+#[test]
+fn a_usage_frame_after_an_event_line_is_removed_and_counted() {
+    const CONTENT: &str = "data: {\"id\":\"1\",\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n";
+    const FRAME: &str = "event: message\nid: 7\ndata: {\"id\":\"1\",\"choices\":[],\"usage\":{\"prompt_tokens\":11,\"completion_tokens\":3,\"prompt_tokens_details\":{\"cached_tokens\":7}}}\n\n";
+    const DONE: &str = "data: [DONE]\n\n";
+    let body = [CONTENT, FRAME, DONE].concat();
+    let mut wire =
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+            .to_vec();
+    for part in [CONTENT, FRAME, DONE] {
+        wire.extend(format!("{:x}\r\n{part}\r\n", part.len()).bytes());
+    }
+    wire.extend_from_slice(b"0\r\n\r\n");
+    let be = raw_backend(vec![wire], usize::MAX);
+    let log = shm_path("event-usage-log");
+    let env = start_logging(
+        &[("r", route_for(&[be.addr], ""))],
+        "",
+        warmroute::worker::AccessLogTarget::File(log.clone()),
+    );
+    let ask = |sid: &str, own_usage: bool| {
+        let opts = if own_usage {
+            r#","stream_options":{"include_usage":true}"#
+        } else {
+            ""
+        };
+        let req = format!(
+            r#"{{"model":"m","stream":true,"messages":[{{"role":"user","content":"a"}}]{opts}}}"#
+        );
+        let r = request(
+            env.public(),
+            &post_json(
+                "/r/v1/chat/completions",
+                &req,
+                &format!("x-session-id: {sid}\r\n"),
+            ),
+        );
+        assert_eq!(r.status, 200);
+        r
+    };
+    let line = |sid: &str| {
+        let mut found = None;
+        eventually(Duration::from_secs(10), "the access line", || {
+            found = std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .lines()
+                .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+                .find(|l| l["session"] == sid);
+            found.is_some()
+        });
+        found.unwrap()
+    };
+    let tokens = |l: &serde_json::Value| {
+        (
+            l["prompt_tokens"].as_u64(),
+            l["cached_tokens"].as_u64(),
+            l["completion_tokens"].as_u64(),
+        )
+    };
+
+    // The router injected include_usage (the peer got it) and removed the whole event.
+    let injected = ask("ev-injected", false);
+    let sent = String::from_utf8_lossy(&be.requests.lock().unwrap()[0]).into_owned();
+    assert!(sent.contains(r#""include_usage":true"#), "{sent}");
+    assert_eq!(injected.text(), [CONTENT, DONE].concat());
+    assert_eq!(tokens(&line("ev-injected")), (Some(11), Some(7), Some(3)));
+
+    // Control: asked for by the client, the frame reaches it as sent.
+    let own = ask("ev-own", true);
+    assert_eq!(own.text(), body);
+    assert_eq!(tokens(&line("ev-own")), (Some(11), Some(7), Some(3)));
+    drop(env);
+    let _ = std::fs::remove_file(&log);
+}
