@@ -321,3 +321,127 @@ fn response_bytes_count_what_the_client_received_not_the_removed_usage_frame() {
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_file(&log);
 }
+
+/// Requests the router answers itself reach the body log as peer-answered ones do: a
+/// content-rule refusal, a concurrency 429, a `model_not_supported` 400 and a 502 for a
+/// peer's broken answer each give a record with the request body as the client sent it
+/// and the router's own answer as the response (a peer only where one was tried). The
+/// control: a request a peer answered gives its record beside them.
+#[test]
+fn refused_requests_reach_the_body_log_with_the_routers_answer() {
+    let dir = shm_path("bodylog-refused");
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let l = listener(port, &dir);
+    let m = mock("m0");
+    // A peer that answers with garbage: the router answers 502 itself.
+    let bad = raw_backend(vec![b"HTTP/1.1 garbage\r\n\r\n".to_vec()], 1);
+    let limited = format!(
+        "peers = [ {{ host = \"127.0.0.1\", port = {}, name = \"solo\", max_concurrency = 1 }} ]\n\
+         reject_rules_enabled = true\n\
+         reject_rules = [ {{ name = \"no3\", field = \"messages_count\", op = \"gt\", value = 2, status = 422 }} ]\n",
+        m.addr().port()
+    );
+    let m2 = mock("m1");
+    let by_model = format!(
+        "[peers_by_model]\n\"llama\" = [ {{ host = \"127.0.0.1\", port = {}, name = \"a\" }} ]\n",
+        m2.addr().port()
+    );
+    let env = start(
+        &[
+            ("r", limited),
+            ("pm", by_model),
+            ("bad", route_for(&[bad.addr], "max_more_tries = 0\n")),
+        ],
+        &format!("[bodylog]\nlistener = \"{port}\"\n"),
+    );
+    let body = |tag: &str, turns: usize| {
+        let msgs: Vec<Value> = (0..turns)
+            .map(|i| serde_json::json!({"role": "user", "content": format!("{tag} {i}")}))
+            .collect();
+        serde_json::json!({"model": "llama", "messages": msgs}).to_string()
+    };
+    let send = |path: &str, b: &str, extra: &str| {
+        request(
+            env.public(),
+            &post_json(path, b, &format!("x-session-id: s-{path}\r\n{extra}")),
+        )
+    };
+
+    // Control: answered by the peer.
+    let ok = body("answered", 1);
+    assert_eq!(send("/r/v1/chat/completions", &ok, "").status, 200);
+    // A content rule refuses it (3 messages).
+    let ruled = body("ruled", 3);
+    assert_eq!(send("/r/v1/chat/completions", &ruled, "").status, 422);
+    // The one slot is held: the next request gets the concurrency 429.
+    let public = env.public();
+    let hold = std::thread::spawn(move || {
+        request(
+            public,
+            &post_json(
+                "/r/v1/chat/completions",
+                &chat_body("hold", false),
+                "x-mock-hang-ms: 1500\r\nx-session-id: hold\r\n",
+            ),
+        )
+        .status
+    });
+    eventually(Duration::from_secs(10), "the slot is held", || {
+        inflight_total(&env, "r") == 1
+    });
+    let over = body("over the limit", 1);
+    assert_eq!(send("/r/v1/chat/completions", &over, "").status, 429);
+    assert_eq!(hold.join().unwrap(), 200);
+    // No sub-pool serves the model.
+    let unknown = body("unknown model", 1).replace("llama", "nope");
+    assert_eq!(send("/pm/v1/chat/completions", &unknown, "").status, 400);
+    // The peer's answer is not HTTP.
+    let unanswered = body("unanswered", 1);
+    assert_eq!(
+        send("/bad/v1/chat/completions", &unanswered, "").status,
+        502
+    );
+
+    eventually(Duration::from_secs(20), "6 records written", || {
+        records(&dir).len() == 6
+    });
+    let recs = records(&dir);
+    let find = |req: &str| {
+        recs.iter()
+            .find(|r| r["req_body"].as_str() == Some(req))
+            .unwrap_or_else(|| panic!("no record of {req}: {recs:?}"))
+    };
+    let answered = find(&ok);
+    assert_eq!(answered["status"], 200);
+    assert_eq!(answered["peer_name"], "solo");
+    for (req, route, status, kind, peer) in [
+        (&ruled, "r", 422, "rejected_by_rule", None),
+        (&over, "r", 429, "concurrency_limit_exceeded", None),
+        (&unknown, "pm", 400, "model_not_supported", None),
+        (&unanswered, "bad", 502, "bad_upstream_response", Some("p0")),
+    ] {
+        let r = find(req);
+        assert_eq!(r["route"], route, "{r}");
+        assert_eq!(r["status"], status, "{r}");
+        assert_eq!(r["method"], "POST", "{r}");
+        assert_eq!(r["req_body_truncated"], false, "{r}");
+        let answer: Value = serde_json::from_str(r["resp_body"].as_str().unwrap()).unwrap();
+        assert_eq!(answer["error"]["type"], kind, "{r}");
+        assert_eq!(
+            r["resp_bytes"],
+            r["resp_body"].as_str().unwrap().len() as u64,
+            "{r}"
+        );
+        assert_eq!(r["peer_name"].as_str(), peer, "{r}");
+        assert_eq!(r.get("mode").is_some(), peer.is_some(), "{r}");
+    }
+    // The 429 came after the session id was read: the record names it.
+    assert_eq!(find(&over)["session_id"], "s-/r/v1/chat/completions");
+    l.stop();
+    drop(env);
+    let _ = std::fs::remove_dir_all(&dir);
+}

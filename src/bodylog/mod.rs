@@ -16,6 +16,15 @@
 //! * [`listener`] (IO, its own process: `warmroute bodylog-listen`): accepts router
 //!   connections, writes `DIR/YYYY-MM-DD/HH.jsonl`, serves Prometheus `/metrics`.
 //!
+//! # Which requests get a record
+//! Every request on a route that body-logs it (toggle, sampling) once its key is checked and
+//! its body read: those a peer answered, and those the router answered itself from there on
+//! (a reject rule's 4xx, `model_not_supported`, 503, the 429 gates, a 502/504 after a peer
+//! was tried, a client gone before the answer), with the router's answer as the response.
+//! As in the reference, a 401, a 413 or a body that could not be read give no record (the
+//! decision comes after them), nor does a request no route took (404, an unknown model on a
+//! bare `/v1` path).
+//!
 //! # Meta fields (a JSON object; absent values are omitted, never null)
 //! Filled by the request path; the listener copies every field into the JSONL record.
 //!
@@ -32,9 +41,10 @@
 //! | `req_body_truncated` | bool | set by [`capture::Capture::finish`] |
 //! | `peer` | string | chosen `ip:port`, `ip:port (retry#N)` after a retry; absent if never routed |
 //! | `forwarded_to` | string | upstream `X-Routed-Peer` response header |
-//! | `session_id` | string | absent if none |
+//! | `session_id` | string | absent if none, or refused before it is read (a reject rule, `model_not_supported`; `session_src` is then `none`, as in the access line) |
 //! | `session_src` | string | e.g. `header.x-session-id`, `body.metadata.session_id`, `none`, `affinity_off` |
-//! | `mode` | string | `hash` / `least_conn` / `hash_fallback` (`…\|4xx_to_501(orig=N)` on that path) |
+//! | `peer_name` | string | the chosen peer's name; absent if never routed |
+//! | `mode` | string | `hash` / `least_conn` / `hash_fallback` (`…\|4xx_to_501(orig=N)` on that path); absent if never routed |
 //! | `model` | string | requested model, when known |
 //! | `stream` | bool | the request asked for a stream, when known (TTFT is only recorded for streams) |
 //! | `status` | u16 | status sent to the client |

@@ -250,11 +250,11 @@ async fn refuse_counted(
     route: Option<&str>,
     keep: bool,
 ) -> (bool, u64) {
-    refuse_counted_with(conn, head, e, route, keep, &[]).await
+    refuse_counted_with(conn, head, e, route, keep, &[], None).await
 }
 
 /// [`refuse_counted`] with `lines` (whole header lines, each ending in CRLF) after the
-/// error's own headers.
+/// error's own headers, and the answer's body fed to `capture` (a body-log record's).
 async fn refuse_counted_with(
     conn: &mut ClientConn,
     head: &RequestHead,
@@ -262,6 +262,7 @@ async fn refuse_counted_with(
     route: Option<&str>,
     keep: bool,
     lines: &[u8],
+    capture: Option<&mut crate::bodylog::capture::Capture>,
 ) -> (bool, u64) {
     if matches!(e, ProxyError::ClientGone) {
         return (false, 0);
@@ -281,6 +282,9 @@ async fn refuse_counted_with(
     // What `for_request` leaves of the body (none for HEAD).
     let resp = error_response::for_request(head, resp);
     let body = (resp.len() - head_len) as u64;
+    if let Some(c) = capture {
+        c.push_response(&resp[head_len..]);
+    }
     let sent = conn.write_all_bytes(resp).await.is_ok();
     (sent && keep, if sent { body } else { 0 })
 }
@@ -542,7 +546,8 @@ async fn proxy(
                 message: hit.rule.message_or_default().into_owned(),
                 status: hit.rule.status.unwrap_or(opts.reject_rules_status),
             };
-            let log = Refused::early(Some(route), p.owner.as_deref(), req_bytes);
+            let log = Refused::early(Some(route), p.owner.as_deref(), req_bytes)
+                .logged(LoggedRequest::read(&p.body, p.fields.as_ref(), None));
             return refuse_logged(ctx, conn, head, &e, keep_client(), log, started).await;
         }
     }
@@ -554,7 +559,8 @@ async fn proxy(
             model: model.map(String::from),
             supported: route.models_sorted.clone(),
         };
-        let log = Refused::early(Some(route), p.owner.as_deref(), req_bytes);
+        let log = Refused::early(Some(route), p.owner.as_deref(), req_bytes)
+            .logged(LoggedRequest::read(&p.body, p.fields.as_ref(), None));
         return refuse_logged(ctx, conn, head, &e, keep_client(), log, started).await;
     };
 
@@ -571,6 +577,11 @@ async fn proxy(
         req_bytes,
         session: session_id::header_value(sid.as_ref().map(|s| &*s.id)),
         source: source.label(),
+        logged: Some(LoggedRequest::read(
+            &p.body,
+            p.fields.as_ref(),
+            sid.as_ref().map(|s| &*s.id),
+        )),
     };
 
     // 6. Loads, then the 503 gate and the load gates — concurrency (static or adaptive
@@ -1084,7 +1095,7 @@ async fn proxy(
                         route,
                         owner: p.owner.as_deref(),
                         client_ip: &conn.ip,
-                        routed: &routed,
+                        routed: Some(&routed),
                         sid: sid.as_ref().map(|s| &*s.id),
                         source: &routing.source,
                         model,
@@ -1120,9 +1131,27 @@ async fn proxy(
             if let Some(r) = &routed {
                 push_routed_headers(&mut lines, &routing, r);
             }
-            let (keep, body_bytes) =
-                refuse_counted_with(conn, head, &e, Some(route.name()), keep_client(), &lines)
-                    .await;
+            // The body-log record of the router's own answer: the client's body (the
+            // router's usage member left out), the peer tried.
+            let logged = LoggedRequest {
+                body: &p.body,
+                inserted_at,
+                body_lost: p.body.is_empty() && req_bytes > 0,
+                fields: p.fields.as_ref(),
+                sid: sid.as_ref().map(|s| &*s.id),
+                routed: routed.as_ref(),
+            };
+            let mut capture = logged.capture(ctx, route);
+            let (keep, body_bytes) = refuse_counted_with(
+                conn,
+                head,
+                &e,
+                Some(route.name()),
+                keep_client(),
+                &lines,
+                capture.as_mut(),
+            )
+            .await;
             let end = if matches!(e, ProxyError::ClientGone) {
                 relay::END_CLIENT_GONE
             } else {
@@ -1132,6 +1161,20 @@ async fn proxy(
                 body_bytes,
                 ..RelayStats::default()
             };
+            if let Some(c) = capture {
+                logged.send(
+                    ctx,
+                    c,
+                    route,
+                    head,
+                    p.owner.as_deref(),
+                    &conn.ip,
+                    &routing.source,
+                    e.status(),
+                    &stats,
+                    started,
+                );
+            }
             (e.status(), keep, stats, routed, end)
         }
         Phase::Relayed {
@@ -1254,7 +1297,8 @@ struct BodylogEntry<'a> {
     route: &'a RouteRt,
     owner: Option<&'a str>,
     client_ip: &'a str,
-    routed: &'a Routed<'a>,
+    /// `None`: answered by the router before a peer was chosen.
+    routed: Option<&'a Routed<'a>>,
     sid: Option<&'a str>,
     source: &'a str,
     model: Option<&'a str>,
@@ -1285,10 +1329,7 @@ fn bodylog_send(
         "method": e.head.method(),
         "uri": e.head.target(),
         "req_headers": crate::bodylog::capture::scrub_headers(e.head.headers.iter()),
-        "peer": if e.routed.retries > 0 { format!("{} (retry#{})", e.routed.peer.addr, e.routed.retries) } else { e.routed.peer.addr.to_string() },
-        "peer_name": e.routed.peer.name,
         "session_src": e.source,
-        "mode": e.routed.mode,
         "stream": e.stream,
         "status": e.status,
         "rt": (e.started.elapsed().as_secs_f64() * 1000.0).round() / 1000.0,
@@ -1299,6 +1340,18 @@ fn bodylog_send(
             m.insert(k.into(), v);
         }
     };
+    if let Some(r) = e.routed {
+        put(
+            "peer",
+            json!(if r.retries > 0 {
+                format!("{} (retry#{})", r.peer.addr, r.retries)
+            } else {
+                r.peer.addr.to_string()
+            }),
+        );
+        put("peer_name", json!(r.peer.name));
+        put("mode", json!(r.mode));
+    }
     put("session_id", json!(e.sid));
     put("model", json!(e.model));
     put("first_chunk_t", json!(secs(e.stats.first_body_at)));
@@ -1640,6 +1693,81 @@ struct Refused<'a> {
     req_bytes: usize,
     session: Cow<'a, str>,
     source: Cow<'static, str>,
+    /// The request as a body-log record of the refusal shows it (`None`: no record, as for
+    /// a refusal before the key check and the body read).
+    logged: Option<LoggedRequest<'a>>,
+}
+
+/// What a body-log record of a request the router answered itself says of the request.
+struct LoggedRequest<'a> {
+    /// The body as read, with the usage member at `inserted_at` when the router added one.
+    body: &'a [u8],
+    inserted_at: Option<usize>,
+    /// The whole body is not in `body` (a client that left while it was being sent took it).
+    body_lost: bool,
+    fields: Option<&'a BodyFields>,
+    sid: Option<&'a str>,
+    routed: Option<&'a Routed<'a>>,
+}
+
+impl<'a> LoggedRequest<'a> {
+    /// A request refused before it was routed, with the body read whole.
+    fn read(body: &'a [u8], fields: Option<&'a BodyFields>, sid: Option<&'a str>) -> Self {
+        LoggedRequest {
+            body,
+            inserted_at: None,
+            body_lost: false,
+            fields,
+            sid,
+            routed: None,
+        }
+    }
+
+    /// Start the record's capture when the route logs this request (sampling included).
+    fn capture(
+        &self,
+        ctx: &WorkerCtx,
+        route: &RouteRt,
+    ) -> Option<crate::bodylog::capture::Capture> {
+        let mut c = bodylog_capture(ctx, route, self.body, self.inserted_at)?;
+        if self.body_lost {
+            c.set_request_truncated();
+        }
+        Some(c)
+    }
+
+    /// Queue the record of the router's answer (`status`, body bytes in `capture`).
+    #[allow(clippy::too_many_arguments)]
+    fn send(
+        &self,
+        ctx: &WorkerCtx,
+        capture: crate::bodylog::capture::Capture,
+        route: &RouteRt,
+        head: &RequestHead,
+        owner: Option<&str>,
+        client_ip: &str,
+        source: &str,
+        status: u16,
+        stats: &RelayStats,
+        started: Instant,
+    ) {
+        let entry = BodylogEntry {
+            start_ms: ctx.wall.ms_at(started),
+            started,
+            head,
+            route,
+            owner,
+            client_ip,
+            routed: self.routed,
+            sid: self.sid,
+            source,
+            model: self.fields.and_then(|f| f.model.as_deref()),
+            stream: self.fields.is_some_and(|f| f.stream),
+            status,
+            stats,
+        };
+        bodylog_send(ctx, &ctx.shared.seg, capture, &entry);
+    }
 }
 
 impl<'a> Refused<'a> {
@@ -1651,7 +1779,14 @@ impl<'a> Refused<'a> {
             req_bytes,
             session: Cow::Borrowed("-"),
             source: Cow::Borrowed("none"),
+            logged: None,
         }
+    }
+
+    /// With a body-log record of the refusal (when the route's body log samples it).
+    fn logged(mut self, req: LoggedRequest<'a>) -> Self {
+        self.logged = Some(req);
+        self
     }
 
     fn write(
@@ -1693,8 +1828,20 @@ async fn refuse_logged(
     log: Refused<'_>,
     started: Instant,
 ) -> bool {
-    let (keep, body_bytes) =
-        refuse_counted(conn, head, e, log.route.map(RouteRt::name), keep).await;
+    // A refused request the route body-logs gets its record, with the router's answer as
+    // the response (decided here, off the path of a request that reaches a peer).
+    let logged = log.route.zip(log.logged.as_ref());
+    let mut capture = logged.and_then(|(route, req)| req.capture(ctx, route));
+    let (keep, body_bytes) = refuse_counted_with(
+        conn,
+        head,
+        e,
+        log.route.map(RouteRt::name),
+        keep,
+        &[],
+        capture.as_mut(),
+    )
+    .await;
     let end = if matches!(e, ProxyError::ClientGone) {
         relay::END_CLIENT_GONE
     } else {
@@ -1705,6 +1852,20 @@ async fn refuse_logged(
         ..RelayStats::default()
     };
     log.write(ctx, head, e.status(), &stats, end, started);
+    if let (Some(c), Some((route, req))) = (capture, logged) {
+        req.send(
+            ctx,
+            c,
+            route,
+            head,
+            log.owner,
+            &conn.ip,
+            &log.source,
+            e.status(),
+            &stats,
+            started,
+        );
+    }
     keep
 }
 
