@@ -141,7 +141,7 @@ pub fn render(path: &Path, config: Option<&Config>) -> std::io::Result<Status> {
     if stale > 0 {
         let _ = writeln!(
             out,
-            "{stale} row(s) marked (removed): no longer in the configuration (a reload dropped them); their slots are reused by the next router that starts on this segment"
+            "{stale} row(s) marked (removed): no longer in the configuration (a reload dropped them); their slots are freed once no request or draining router uses them"
         );
     }
     Ok(Status { text: out, running })

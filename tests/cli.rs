@@ -1486,3 +1486,206 @@ fn a_reload_moves_body_logging_to_the_new_listener_or_turns_it_off() {
     let st = request(p.public, &get("/a/_bodylog_status")).json();
     assert_eq!(st["enabled"], false, "{st}");
 }
+
+/// Write a file whole (a temporary name, then a rename): the routes watcher never reads
+/// it half written.
+fn write_whole(path: &Path, text: &str) {
+    let tmp = path.with_extension("partial");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// `count` peers on closed local ports, at addresses of their own for each `generation`
+/// (127.0.<generation + 1>.x): a route whose backends all moved.
+fn moved_peers_route(generation: u32, count: u32) -> String {
+    let mut s = String::from("health_check_interval = 3600\npeers = [\n");
+    for i in 0..count {
+        s.push_str(&format!(
+            "  {{ host = \"127.0.{}.{}\", port = {} }},\n",
+            generation % 250 + 1,
+            i % 250 + 1,
+            40000 + i
+        ));
+    }
+    s.push_str("]\n");
+    s
+}
+
+/// `eventually` for a condition that runs a command: every 250 ms.
+fn poll(limit: Duration, what: &str, mut f: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < limit, "timed out waiting for: {what}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// `warmroute status --shm <segment>`.
+fn status_text(shm: &Path) -> String {
+    let out = Command::new(BIN)
+        .args(["status".as_ref(), "--shm".as_ref(), shm.as_os_str()])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The status row of segment key `key`, split on blanks: key, name, in-flight, ...
+fn status_row(text: &str, key: &str) -> Option<Vec<String>> {
+    text.lines()
+        .find(|l| l.split_whitespace().next() == Some(key))
+        .map(|l| l.split_whitespace().map(String::from).collect())
+}
+
+/// A streaming chat request through `public` that the engine stretches over a minute (the
+/// test drops it when done with it), once its response has started.
+fn long_stream(public: SocketAddr) -> BufReader<std::net::TcpStream> {
+    let mut s = connect(public);
+    s.write_all(&post_json(
+        "/live/v1/chat/completions",
+        &chat_body("x", true),
+        "x-mock-tokens: 600\r\nx-mock-interval-ms: 100\r\n",
+    ))
+    .unwrap();
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    assert!(line.starts_with("HTTP/1.1 200"), "{line}");
+    r
+}
+
+/// Whether every one of a few requests to route `live` is answered by the mock `name`.
+fn live_served_by(public: SocketAddr, name: &str) -> bool {
+    (0..4).all(|_| {
+        try_request(
+            public,
+            &post_json("/live/v1/chat/completions", &chat_body("y", false), ""),
+        )
+        .is_ok_and(|r| r.status == 200 && r.header("x-mock-peer") == Some(name))
+    })
+}
+
+/// SPEC §11, §12: the segment slot of a peer that no configuration uses any more is freed
+/// once nothing uses it, so a router whose backends keep moving (each reload replaces a
+/// route's 1000 peers) keeps reloading long past the segment's 8192 peer slots, instead
+/// of refusing every reload from the 9th on; a slot that a request in flight still uses
+/// (on the configuration it started with) stays until the request ends.
+#[test]
+fn reloads_that_replace_peers_free_the_slots_of_the_old_ones() {
+    let d = temp_dir("slots");
+    let routes = d.0.join("routes");
+    let mocks: Vec<_> = (0..12).map(|g| mock(&format!("m{g}"))).collect();
+    write_whole(&routes.join("big.toml"), &moved_peers_route(0, 1000));
+    write_whole(
+        &routes.join("live.toml"),
+        &route_for(&[mocks[0].addr()], ""),
+    );
+    let (p, log) = start_serve_logging(&d.0, "", &[]);
+    // A stream on the first configuration's peer, in flight throughout.
+    let stream = long_stream(p.public);
+    let m0_key = format!("live//{}", mocks[0].addr());
+    // 11 reloads, each with 1000 new peers (12,000 slots in all, for 8192) and a new
+    // backend for `live`, which must serve once the reload is in force. A reload refused
+    // for want of a slot is retried until the slots of the old peers are free.
+    for (g, m) in mocks.iter().enumerate().skip(1) {
+        write_whole(&routes.join("big.toml"), &moved_peers_route(g as u32, 1000));
+        write_whole(&routes.join("live.toml"), &route_for(&[m.addr()], ""));
+        let t0 = Instant::now();
+        loop {
+            p.signal("HUP");
+            std::thread::sleep(Duration::from_millis(300));
+            if live_served_by(p.public, &format!("m{g}")) {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(40),
+                "generation {g} never came into force:\n{}",
+                log().lines().rfind(|l| l.contains("reload")).unwrap_or("")
+            );
+            std::thread::sleep(Duration::from_millis(700));
+        }
+    }
+    let text = status_text(&p.shm);
+    let excerpt = |t: &str| t.chars().take(2000).collect::<String>();
+    // The second generation's peers have left the segment (the reloads that followed
+    // needed their slots)...
+    assert!(
+        !text.contains("big//127.0.2."),
+        "the second generation's peers still hold slots:\n{}",
+        excerpt(&text)
+    );
+    assert!(log().contains("freed the segment slots of peers no longer used"));
+    // ... but the first configuration, which the stream still uses, keeps its slots: its
+    // peer, and the rest of that configuration (a request may retry on other peers).
+    let row = status_row(&text, &m0_key).unwrap_or_else(|| panic!("{m0_key} missing"));
+    assert_eq!(row[2], "1", "its request is in flight: {row:?}");
+    assert!(text.contains("big//127.0.1."), "{}", excerpt(&text));
+    // Once the request ends, those slots go too.
+    drop(stream);
+    poll(Duration::from_secs(40), "the stream's peers freed", || {
+        let text = status_text(&p.shm);
+        status_row(&text, &m0_key).is_none() && !text.contains("big//127.0.1.")
+    });
+    assert!(live_served_by(p.public, "m11"));
+}
+
+/// SPEC §11, §12: in a takeover, the router being replaced drains on the configuration it
+/// had; the slots of its peers stay while its requests are in flight, even though the new
+/// router's configuration does not have them and frees what it dropped itself, and they
+/// are freed once it is gone.
+#[test]
+fn a_draining_router_keeps_the_slots_of_its_peers_until_it_is_done() {
+    let a = temp_dir("slots-old");
+    let b = temp_dir("slots-new");
+    let (m0, m1, m2) = (mock("m0"), mock("m1"), mock("m2"));
+    write_whole(&a.0.join("routes/live.toml"), &route_for(&[m0.addr()], ""));
+    let mut old = start_serve(&a.0);
+    let stream = long_stream(old.public);
+    let m0_key = format!("live//{}", m0.addr());
+    let m2_key = format!("extra//{}", m2.addr());
+    // The new router: same ports and segment, its own routes (live on m1, and extra on m2,
+    // which a reload drops).
+    write_whole(&b.0.join("routes/live.toml"), &route_for(&[m1.addr()], ""));
+    write_whole(&b.0.join("routes/extra.toml"), &route_for(&[m2.addr()], ""));
+    let public = old.public.port();
+    let admin = old.admin.port();
+    let cfg = server_file(&b.0, public, admin, &old.shm);
+    let new = Proc {
+        child: spawn_serve(&cfg, &["--takeover"]),
+        public: old.public,
+        admin: old.admin,
+        shm: old.shm.clone(),
+    };
+    eventually(Duration::from_secs(10), "the new router serves", || {
+        live_served_by(new.public, "m1")
+    });
+    assert!(
+        old.child.try_wait().unwrap().is_none(),
+        "the old one drains"
+    );
+    std::fs::remove_file(b.0.join("routes/extra.toml")).unwrap();
+    new.signal("HUP");
+    // The control: the slot the new router dropped is freed...
+    poll(Duration::from_secs(40), "the dropped peer freed", || {
+        status_row(&status_text(&new.shm), &m2_key).is_none()
+    });
+    // ... while the old router's peer, in no configuration of the new one, stays.
+    assert!(
+        old.child.try_wait().unwrap().is_none(),
+        "the old one drains"
+    );
+    let text = status_text(&new.shm);
+    let row = status_row(&text, &m0_key).unwrap_or_else(|| panic!("{m0_key} missing:\n{text}"));
+    assert_eq!(row[2], "1", "its request is in flight: {row:?}");
+    // Once the old router is done, its peer's slot goes too.
+    drop(stream);
+    let status = old
+        .wait_exit(Duration::from_secs(15))
+        .expect("the old router finishes draining");
+    assert!(status.success());
+    poll(
+        Duration::from_secs(40),
+        "the old router's peer freed",
+        || status_row(&status_text(&new.shm), &m0_key).is_none(),
+    );
+    assert!(live_served_by(new.public, "m1"));
+}

@@ -14,8 +14,13 @@
 //!   by the inserter and never change; bans by the health prober and proxying workers; the lease
 //!   by contenders for it; generic cells by whoever the router assigns them to; session
 //!   placements by any worker (a slot's key by CAS, then its value).
-//! - Slots are permanent: the same key maps to the same slot for the life of the segment, across
-//!   reloads and processes. Capacities are fixed when the segment is created.
+//! - Route slots are permanent: the same key maps to the same slot for the life of the segment,
+//!   across reloads and processes. Peer slots keep their key for as long as somebody uses them:
+//!   every user stamps the slots it may still touch ([`Segment::touch_peer`]), and a slot
+//!   nobody stamped for a while and with no request in flight is freed
+//!   ([`Segment::free_idle_peer_slots`]) and reset when a new key takes it. Peer inserts and
+//!   frees take the slot-table lock (off the data path); lookups never do. Capacities are
+//!   fixed when the segment is created.
 //! - Reinitialising (capacity or version change) truncates the file; it is refused while a live
 //!   process owns a worker row. A process that still maps a shrunk segment would get SIGBUS, so
 //!   only short-lived readers (`warmroute status`) may be attached across such a change.
@@ -40,7 +45,11 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"WRMRTSHM");
 /// Bumped whenever any table's layout changes. The header's identity prefix (magic, version,
 /// capacities, total size, worker-row offset and size, owner pid as the first u32 of a worker
 /// row) never moves, so any version can tell whether a live process owns an older segment.
-pub const LAYOUT_VERSION: u32 = 2;
+///
+/// v3: peer slots can be freed (a `FREED` key state, a per-row `last_ref_ms` stamp, the peer
+/// slot-table lock in the lease line). A v2 process would neither stamp its slots nor
+/// take the lock, so the two must not share a segment.
+pub const LAYOUT_VERSION: u32 = 3;
 /// Generic per-peer u64 cells (counters, EWMAs as f64 bits, ...), meaning defined by the router.
 pub const PEER_CELLS: usize = 32;
 /// Generic per-route u64 cells.
@@ -124,7 +133,10 @@ struct Header {
     /// Writer: lease contenders, always by CAS. Bit 63 set = a claim is in progress (low bits are
     /// the claim time), otherwise the expiry in ms since the epoch.
     lease_expires: AtomicU64,
-    _pad1: [AtomicU64; 6],
+    /// Writer: whoever inserts or frees peer slots, by CAS (0 = free, else
+    /// `pid << 32 | acquired_s as u32`); see [`Segment::lock_peer_slots`].
+    peer_slot_lock: AtomicU64,
+    _pad1: [AtomicU64; 5],
     // --- lines 2..10: generic global cells; writers as the router assigns them ------------------
     globals: [AtomicU64; GLOBAL_CELLS],
 }
@@ -152,7 +164,9 @@ const _: () = assert!(size_of::<WorkerRow>() == 64);
 #[repr(C)]
 struct KeyRec {
     /// Writer: inserter (CAS `EMPTY`→`WRITING`, then `WRITING`→`READY`), or a waiter that finds
-    /// the inserting process dead (`WRITING`→`ABANDONED`). Never goes back to `EMPTY`.
+    /// the inserting process dead (`WRITING`→`ABANDONED`). Peer slots only: the freer
+    /// (`READY`→`FREED`, under the slot-table lock) and an inserter reusing a freed slot
+    /// (`FREED`→`WRITING`, under the lock). Never goes back to `EMPTY`.
     state: AtomicU32,
     /// Writer: inserter, while `WRITING`.
     key_len: AtomicU32,
@@ -174,7 +188,10 @@ struct PeerRow {
     key: KeyRec,
     /// Writer: health prober and proxying workers. 0 = not banned.
     banned_until_ms: AtomicU64,
-    _pad: [AtomicU64; 5],
+    /// Writer: every process that may use the slot ([`Segment::touch_peer`], and the
+    /// inserter), storing its wall-clock ms. A slot stamped long ago is up for freeing.
+    last_ref_ms: AtomicU64,
+    _pad: [AtomicU64; 4],
     /// Writers as the router assigns them (each cell one role).
     cells: [AtomicU64; PEER_CELLS],
 }
@@ -207,6 +224,9 @@ const EMPTY: u32 = 0;
 const WRITING: u32 = 1;
 const READY: u32 = 2;
 const ABANDONED: u32 = 3;
+/// A peer slot freed for reuse: lookups probe past it (a key further on may have passed it
+/// when it was taken), inserts reuse the first one they saw once the key is known absent.
+const FREED: u32 = 4;
 
 const RESETTING: u32 = 1 << 31;
 const LEASE_CLAIMING: u64 = 1 << 63;
@@ -214,6 +234,11 @@ const LEASE_CLAIMING: u64 = 1 << 63;
 const LEASE_CLAIM_STALE_MS: u64 = 5_000;
 /// A slot stuck in `WRITING` longer than this is treated as abandoned.
 const SLOT_WRITE_STALE: Duration = Duration::from_secs(2);
+/// The peer slot-table lock is taken over from a holder that is dead and has held it this
+/// long (seconds), or from any holder after `SLOT_LOCK_STALE_S` (a holder in another pid
+/// namespace looks dead; no insert or free round takes anywhere near this long).
+const SLOT_LOCK_DEAD_S: u64 = 1;
+const SLOT_LOCK_STALE_S: u64 = 10;
 
 /// Marker for types that may be viewed in the mapping.
 ///
@@ -789,26 +814,151 @@ impl Segment {
 
     // --- slots --------------------------------------------------------------------------------
 
-    /// Find or insert the peer slot of `key`. Keys longer than [`MAX_KEY_BYTES`] get `None`;
-    /// the same key gets the same slot forever in this segment; `None` when the table is full.
+    /// Find or insert the peer slot of `key`, and stamp it as used now (see
+    /// [`Segment::touch_peer`]). Keys longer than [`MAX_KEY_BYTES`] get `None`; `None` when
+    /// the table is full. The same key gets the same slot for as long as the slot is in use;
+    /// a slot freed by [`Segment::free_idle_peer_slots`] may be given to another key, with
+    /// its ban, cells and stamp reset. Takes the slot-table lock (never on the data path).
     pub fn peer_slot(&self, key: &str) -> Option<PeerSlot> {
         let rows = self.peer_rows();
-        slot_lookup(rows.len(), |i| &rows[i].key, key, true).map(|i| PeerSlot(i as u32))
+        let _lock = self.lock_peer_slots();
+        let now = now_ms();
+        let i = slot_lookup(
+            rows.len(),
+            |i| &rows[i].key,
+            key,
+            true,
+            |i| {
+                let row = &rows[i];
+                row.banned_until_ms.store(0, Ordering::Relaxed);
+                for c in &row.cells {
+                    c.store(0, Ordering::Relaxed);
+                }
+                row.last_ref_ms.store(now, Ordering::Relaxed);
+            },
+        )?;
+        // Under the lock, so no free round can take the slot between finding and stamping.
+        rows[i].last_ref_ms.fetch_max(now, Ordering::Relaxed);
+        Some(PeerSlot(i as u32))
     }
-    /// Find or insert the route slot of `key` (see [`Segment::peer_slot`]).
+    /// Find or insert the route slot of `key`. Route slots are permanent: the same key gets
+    /// the same slot forever in this segment. Lock-free.
     pub fn route_slot(&self, key: &str) -> Option<RouteSlot> {
         let rows = self.route_rows();
-        slot_lookup(rows.len(), |i| &rows[i].key, key, true).map(|i| RouteSlot(i as u32))
+        slot_lookup(rows.len(), |i| &rows[i].key, key, true, |_| {}).map(|i| RouteSlot(i as u32))
     }
-    /// Look up a peer slot without inserting.
+    /// Look up a peer slot without inserting (nor stamping).
     pub fn find_peer_slot(&self, key: &str) -> Option<PeerSlot> {
         let rows = self.peer_rows();
-        slot_lookup(rows.len(), |i| &rows[i].key, key, false).map(|i| PeerSlot(i as u32))
+        slot_lookup(rows.len(), |i| &rows[i].key, key, false, |_| {}).map(|i| PeerSlot(i as u32))
     }
     /// Look up a route slot without inserting.
     pub fn find_route_slot(&self, key: &str) -> Option<RouteSlot> {
         let rows = self.route_rows();
-        slot_lookup(rows.len(), |i| &rows[i].key, key, false).map(|i| RouteSlot(i as u32))
+        slot_lookup(rows.len(), |i| &rows[i].key, key, false, |_| {}).map(|i| RouteSlot(i as u32))
+    }
+
+    /// Stamp peer slot `p` as still used at `now_ms` (wall clock). Every process calls this,
+    /// more often than the `idle_ms` its lease holder frees with, for every slot it may still
+    /// touch: those of its current configuration and of any older one a request or task
+    /// still holds. A stamp never moves back (a clock stepped back leaves it ahead).
+    pub fn touch_peer(&self, p: PeerSlot, now_ms: u64) {
+        let c = &self.peer(p).last_ref_ms;
+        if c.load(Ordering::Relaxed) < now_ms {
+            c.store(now_ms, Ordering::Relaxed);
+        }
+    }
+    /// When peer slot `p` was last stamped as used (ms since the epoch).
+    pub fn peer_last_ref_ms(&self, p: PeerSlot) -> u64 {
+        self.peer(p).last_ref_ms.load(Ordering::Relaxed)
+    }
+
+    /// Free every peer slot that nobody has stamped for `idle_ms` before `now_ms` and that
+    /// has no request in flight in any owned worker row; returns how many. Freed slots are
+    /// no longer found by their key and are reused (reset) by later inserts.
+    ///
+    /// Nothing is freed while any owned worker row has gone `beat_ms` without a heartbeat:
+    /// a stalled or stopped process stamps nothing either, and its slots must not look idle
+    /// (a dead one's rows are reclaimed first, see [`Segment::reclaim_dead_quiet`]). So that
+    /// a live process's slots are never freed, it must stamp them (and then heartbeat) at
+    /// intervals that, added to `beat_ms`, stay well under `idle_ms`. Skips the round when
+    /// another process holds the slot-table lock.
+    pub fn free_idle_peer_slots(&self, now_ms: u64, idle_ms: u64, beat_ms: u64) -> u32 {
+        let Some(_lock) = self.try_lock_peer_slots() else {
+            return 0;
+        };
+        let mut owned = Vec::new();
+        let hw = self.header().rows_high_water.load(Ordering::Acquire) as usize;
+        for (i, row) in self.worker_rows().iter().enumerate().take(hw) {
+            let v = row.pid.load(Ordering::Acquire);
+            if v == 0 {
+                continue;
+            }
+            let quiet = now_ms.saturating_sub(row.heartbeat_ms.load(Ordering::Relaxed));
+            if owner(v).is_some() && quiet > beat_ms {
+                return 0;
+            }
+            // Rows being claimed or reset count too: their counts are on their way to 0.
+            owned.push(WorkerId(i as u32));
+        }
+        let mut n = 0;
+        for (i, row) in self.peer_rows().iter().enumerate() {
+            if row.key.state.load(Ordering::Acquire) != READY {
+                continue;
+            }
+            let idle = now_ms.saturating_sub(row.last_ref_ms.load(Ordering::Relaxed));
+            let p = PeerSlot(i as u32);
+            if idle < idle_ms || owned.iter().any(|&w| self.inflight_of(w, p) != 0) {
+                continue;
+            }
+            if row
+                .key
+                .state
+                .compare_exchange(READY, FREED, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Take the peer slot-table lock, waiting for it (inserts and frees are short). A holder
+    /// that died, or that has held it implausibly long, loses it.
+    fn lock_peer_slots(&self) -> SlotLock<'_> {
+        let mut spins: u32 = 0;
+        loop {
+            if let Some(l) = self.try_lock_peer_slots() {
+                return l;
+            }
+            spins = spins.saturating_add(1);
+            if spins < 64 {
+                hint::spin_loop();
+            } else if spins < 1024 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+
+    fn try_lock_peer_slots(&self) -> Option<SlotLock<'_>> {
+        let lock = &self.header().peer_slot_lock;
+        let now_s = now_ms() / 1000;
+        let word = (u64::from(std::process::id()) << 32) | (now_s & 0xffff_ffff);
+        let cur = lock.load(Ordering::Acquire);
+        if cur != 0 {
+            let age = (now_s as u32).wrapping_sub(cur as u32);
+            let age = u64::from(age);
+            let stale = age >= SLOT_LOCK_STALE_S
+                || (age >= SLOT_LOCK_DEAD_S && !pid_alive((cur >> 32) as u32));
+            if !stale {
+                return None;
+            }
+        }
+        lock.compare_exchange(cur, word, Ordering::Acquire, Ordering::Relaxed)
+            .ok()
+            .map(|_| SlotLock { lock, word })
     }
     /// Every ready peer slot with its key, in slot order.
     pub fn peer_keys(&self) -> Vec<(PeerSlot, String)> {
@@ -1052,6 +1202,20 @@ impl Segment {
     }
 }
 
+/// The held peer slot-table lock; released on drop (unless a stale-lock taker took it).
+struct SlotLock<'a> {
+    lock: &'a AtomicU64,
+    word: u64,
+}
+
+impl Drop for SlotLock<'_> {
+    fn drop(&mut self) {
+        let _ = self
+            .lock
+            .compare_exchange(self.word, 0, Ordering::Release, Ordering::Relaxed);
+    }
+}
+
 fn owner(v: u32) -> Option<u32> {
     (v != 0 && v & RESETTING == 0).then_some(v)
 }
@@ -1124,12 +1288,54 @@ fn wait_settled(rec: &KeyRec) {
     }
 }
 
+/// What became of an attempt to take a slot for a key.
+enum Claim {
+    Taken,
+    /// Another inserter changed the slot first.
+    Lost,
+    /// A waiter gave up on us and marked the slot abandoned.
+    Abandoned,
+}
+
+/// Take slot `r` (in state `from`) for the key: `from`→`WRITING`, write the key, call
+/// `reset` (which clears a reused slot's values before anybody can find it), `WRITING`→`READY`.
+fn claim_slot(r: &KeyRec, from: u32, bytes: &[u8], hash: u64, reset: impl FnOnce()) -> Claim {
+    if r.state
+        .compare_exchange(from, WRITING, Ordering::Acquire, Ordering::Relaxed)
+        .is_err()
+    {
+        return Claim::Lost;
+    }
+    r.writer_pid.store(std::process::id(), Ordering::Relaxed);
+    r.key_len.store(bytes.len() as u32, Ordering::Relaxed);
+    r.hash.store(hash, Ordering::Relaxed);
+    for (cell, w) in r.key.iter().zip(pack_key(bytes)) {
+        cell.store(w, Ordering::Relaxed);
+    }
+    reset();
+    match r
+        .state
+        .compare_exchange(WRITING, READY, Ordering::Release, Ordering::Relaxed)
+    {
+        Ok(_) => Claim::Taken,
+        Err(_) => Claim::Abandoned,
+    }
+}
+
 /// Find (and with `insert`, insert) `key` in a table of `n` slots; returns the slot index.
+///
+/// Lookups probe past `FREED` and `ABANDONED` slots and stop at the first `EMPTY` one
+/// (inserts fill the first empty slot, so the key is not further on). An insert reuses the
+/// first `FREED` slot of the probe only once it has seen the key is absent (an `EMPTY` slot
+/// or the whole table), calling `reset(index)` before publishing it. Tables that have `FREED`
+/// slots (peers) are inserted into under the slot-table lock only, so no two inserts of one
+/// key can each take a different freed slot; tables without (routes) stay lock-free.
 fn slot_lookup<'a>(
     n: usize,
     rec: impl Fn(usize) -> &'a KeyRec,
     key: &str,
     insert: bool,
+    reset: impl Fn(usize),
 ) -> Option<usize> {
     let bytes = key.as_bytes();
     if bytes.len() > MAX_KEY_BYTES || n == 0 {
@@ -1138,48 +1344,56 @@ fn slot_lookup<'a>(
     let words = pack_key(bytes);
     let hash = key_hash(bytes);
     let start = (hash % n as u64) as usize;
-    let mut probe = 0;
-    while probe < n {
-        let r = rec((start + probe) % n);
-        match r.state.load(Ordering::Acquire) {
-            EMPTY => {
-                if !insert {
-                    return None; // inserts take the first empty slot, so the key is absent
+    // A freed slot taken by somebody else under our feet (only possible without the lock):
+    // start over, a bounded number of times.
+    'scan: for _ in 0..8 {
+        let mut probe = 0;
+        let mut freed: Option<usize> = None;
+        while probe < n {
+            let i = (start + probe) % n;
+            let r = rec(i);
+            match r.state.load(Ordering::Acquire) {
+                EMPTY => {
+                    if !insert {
+                        return None; // inserts take the first empty slot: the key is absent
+                    }
+                    if let Some(f) = freed {
+                        match claim_slot(rec(f), FREED, bytes, hash, || reset(f)) {
+                            Claim::Taken => return Some(f),
+                            Claim::Lost | Claim::Abandoned => continue 'scan,
+                        }
+                    }
+                    match claim_slot(r, EMPTY, bytes, hash, || {}) {
+                        Claim::Taken => return Some(i),
+                        Claim::Lost => {} // lost the race: look at this slot again
+                        Claim::Abandoned => probe += 1,
+                    }
                 }
-                if r.state
-                    .compare_exchange(EMPTY, WRITING, Ordering::Acquire, Ordering::Relaxed)
-                    .is_err()
-                {
-                    continue; // lost the race: look at this slot again
+                WRITING => wait_settled(r), // then look at this slot again
+                READY => {
+                    let same = r.hash.load(Ordering::Relaxed) == hash
+                        && r.key_len.load(Ordering::Relaxed) as usize == bytes.len()
+                        && r.key
+                            .iter()
+                            .zip(words)
+                            .all(|(c, w)| c.load(Ordering::Relaxed) == w);
+                    if same {
+                        return Some(i);
+                    }
+                    probe += 1;
                 }
-                r.writer_pid.store(std::process::id(), Ordering::Relaxed);
-                r.key_len.store(bytes.len() as u32, Ordering::Relaxed);
-                r.hash.store(hash, Ordering::Relaxed);
-                for (cell, w) in r.key.iter().zip(words) {
-                    cell.store(w, Ordering::Relaxed);
+                FREED => {
+                    freed.get_or_insert(i);
+                    probe += 1;
                 }
-                if r.state
-                    .compare_exchange(WRITING, READY, Ordering::Release, Ordering::Relaxed)
-                    .is_ok()
-                {
-                    return Some((start + probe) % n);
-                }
-                // A waiter gave up on us and marked the slot abandoned: carry on probing.
+                _ => probe += 1, // abandoned
             }
-            WRITING => wait_settled(r), // then look at this slot again
-            READY => {
-                let same = r.hash.load(Ordering::Relaxed) == hash
-                    && r.key_len.load(Ordering::Relaxed) as usize == bytes.len()
-                    && r.key
-                        .iter()
-                        .zip(words)
-                        .all(|(c, w)| c.load(Ordering::Relaxed) == w);
-                if same {
-                    return Some((start + probe) % n);
-                }
-                probe += 1;
-            }
-            _ => probe += 1, // abandoned
+        }
+        // Every slot is taken or freed, and the key is in none of them.
+        let f = freed.filter(|_| insert)?;
+        match claim_slot(rec(f), FREED, bytes, hash, || reset(f)) {
+            Claim::Taken => return Some(f),
+            Claim::Lost | Claim::Abandoned => continue 'scan,
         }
     }
     None

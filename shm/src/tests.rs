@@ -864,3 +864,143 @@ fn reading_the_thread_cpu_clock_charges_the_run_time() {
     let slept = thread_cpu_time_ns().unwrap();
     assert!(slept - now < 20_000_000, "{now} -> {slept} across a sleep");
 }
+
+/// A key whose probe starts at slot `start` of a 16-slot table.
+fn key_starting_at(prefix: &str, start: u32) -> String {
+    (0..)
+        .map(|i| format!("{prefix}-{i}"))
+        .find(|k| key_hash(k.as_bytes()) % 16 == u64::from(start))
+        .unwrap()
+}
+
+#[test]
+fn idle_peer_slots_are_freed_and_reset_on_reuse() {
+    let t = TempPath::new("free");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let w = s.claim_worker(me(), 0).unwrap();
+    let old = s.peer_slot("route//10.0.0.1:8000").unwrap();
+    let stamped = s.peer_last_ref_ms(old);
+    assert!(stamped > 0, "an insert stamps the slot");
+    s.ban(old, u64::MAX);
+    for i in 0..PEER_CELLS {
+        s.peer_cell(old, i).store(i as u64 + 7, Ordering::Relaxed);
+    }
+    let later = stamped + 60_000;
+    s.heartbeat(w, later);
+    // Controls: recently stamped, or with a request in flight, the slot stays.
+    assert_eq!(s.free_idle_peer_slots(stamped + 1_000, 5_000, 1_000), 0);
+    s.inflight_add(w, old, 1);
+    assert_eq!(s.free_idle_peer_slots(later, 5_000, 1_000), 0);
+    s.inflight_add(w, old, -1);
+    s.touch_peer(old, later - 1_000);
+    assert_eq!(s.free_idle_peer_slots(later, 5_000, 1_000), 0);
+    // Idle for long enough and nothing in flight: freed.
+    s.heartbeat(w, later + 4_000);
+    assert_eq!(s.free_idle_peer_slots(later + 4_000, 5_000, 1_000), 1);
+    assert_eq!(s.find_peer_slot("route//10.0.0.1:8000"), None);
+    assert!(s.peer_keys().is_empty());
+    // A new key that probes from the freed slot takes it, and inherits nothing.
+    let key = key_starting_at("route//10.0.0.2", old.0);
+    let new = s.peer_slot(&key).unwrap();
+    assert_eq!(new, old);
+    assert_eq!(s.banned_until_ms(new), 0);
+    assert!((0..PEER_CELLS).all(|i| s.peer_cell(new, i).load(Ordering::Relaxed) == 0));
+    assert!(s.peer_last_ref_ms(new) >= stamped);
+    assert_eq!(s.peer_keys(), vec![(new, key)]);
+}
+
+#[test]
+fn lookups_and_inserts_probe_past_freed_slots() {
+    let t = TempPath::new("tomb");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    // Three keys probing from the same slot: a, b and c sit one after the other.
+    let keys: Vec<String> = (0..3)
+        .map(|i| key_starting_at(&format!("k{i}"), 5))
+        .collect();
+    let slots: Vec<PeerSlot> = keys.iter().map(|k| s.peer_slot(k).unwrap()).collect();
+    assert_eq!(slots.iter().map(|p| p.0).collect::<Vec<_>>(), vec![5, 6, 7]);
+    // Free a and b; c is still in use.
+    let now = s.peer_last_ref_ms(slots[2]) + 60_000;
+    s.touch_peer(slots[2], now);
+    assert_eq!(s.free_idle_peer_slots(now, 5_000, 1_000), 2);
+    // c is still found, by lookup and by insert, in its own slot: not copied into a freed one.
+    assert_eq!(s.find_peer_slot(&keys[2]), Some(slots[2]));
+    assert_eq!(s.peer_slot(&keys[2]), Some(slots[2]));
+    assert_eq!(s.peer_keys().len(), 1);
+    // A new key reuses the first freed slot of its probe, then the next.
+    let d = s.peer_slot(&key_starting_at("d", 5)).unwrap();
+    let e = s.peer_slot(&key_starting_at("e", 5)).unwrap();
+    assert_eq!((d.0, e.0), (5, 6));
+    let f = s.peer_slot(&key_starting_at("f", 5)).unwrap();
+    assert_eq!(f.0, 8, "no freed slot left: the first empty one");
+}
+
+#[test]
+fn a_full_peer_table_reuses_freed_slots() {
+    let t = TempPath::new("fullfree");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let first: Vec<PeerSlot> = (0..16)
+        .map(|i| s.peer_slot(&format!("gen1-{i}")).unwrap())
+        .collect();
+    assert_eq!(s.peer_slot("gen2-0"), None, "full");
+    let now = s.peer_last_ref_ms(first[0]) + 60_000;
+    assert_eq!(s.free_idle_peer_slots(now, 5_000, 1_000), 16);
+    let second: HashSet<PeerSlot> = (0..16)
+        .map(|i| s.peer_slot(&format!("gen2-{i}")).unwrap())
+        .collect();
+    assert_eq!(second.len(), 16);
+    assert_eq!(s.peer_slot("gen3-0"), None, "full again");
+    assert_eq!(s.find_peer_slot("gen1-3"), None);
+}
+
+#[test]
+fn nothing_is_freed_while_a_worker_is_silent() {
+    let t = TempPath::new("silent");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let p = s.peer_slot("p").unwrap();
+    let now = s.peer_last_ref_ms(p) + 60_000;
+    let (a, b) = (
+        s.claim_worker(me(), 0).unwrap(),
+        s.claim_worker(me(), 1).unwrap(),
+    );
+    s.heartbeat(a, now);
+    // b stopped beating (a stalled process stamps nothing either).
+    s.heartbeat(b, now - 3_000);
+    assert_eq!(s.free_idle_peer_slots(now, 5_000, 1_000), 0);
+    assert_eq!(s.find_peer_slot("p"), Some(p));
+    // The control: once b beats again, the idle slot goes.
+    s.heartbeat(b, now - 500);
+    assert_eq!(s.free_idle_peer_slots(now, 5_000, 1_000), 1);
+}
+
+#[test]
+fn the_peer_slot_lock_is_taken_from_a_dead_or_stuck_holder() {
+    let t = TempPath::new("slotlock");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let lock = &s.header().peer_slot_lock;
+    let now_s = now_ms() / 1000;
+    let word = |pid: u32, at_s: u64| (u64::from(pid) << 32) | (at_s & 0xffff_ffff);
+    let p = s.peer_slot("p").unwrap();
+    assert_eq!(
+        lock.load(Ordering::Acquire),
+        0,
+        "an insert gives the lock back"
+    );
+    let later = s.peer_last_ref_ms(p) + 60_000;
+    // Held by a live process just now: a free round skips.
+    lock.store(word(me(), now_s), Ordering::Release);
+    assert!(s.try_lock_peer_slots().is_none());
+    assert_eq!(s.free_idle_peer_slots(later, 5_000, 1_000), 0);
+    // Held by a process that died a while ago: taken over, and given back after use.
+    lock.store(word(dead_pid(), now_s - 5), Ordering::Release);
+    let q = s.peer_slot("q").unwrap();
+    assert_eq!(lock.load(Ordering::Acquire), 0);
+    s.touch_peer(q, later);
+    lock.store(word(dead_pid(), now_s - 5), Ordering::Release);
+    assert_eq!(s.free_idle_peer_slots(later, 5_000, 1_000), 1, "p, not q");
+    assert_eq!(lock.load(Ordering::Acquire), 0);
+    // Held by a live process for implausibly long: taken over too.
+    lock.store(word(me(), now_s - 60), Ordering::Release);
+    assert!(s.try_lock_peer_slots().is_some());
+    assert_eq!(lock.load(Ordering::Acquire), 0);
+}

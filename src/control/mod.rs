@@ -24,6 +24,17 @@ const LEASE_TTL_MS: u64 = 2_000;
 /// How long a dead process's worker row must have gone without a heartbeat (live workers
 /// beat every 50 ms) before the lease holder frees it.
 const DEAD_ROW_QUIET_MS: u64 = 2_000;
+/// A peer slot nobody has stamped as in use for this long, with nothing in flight, is
+/// freed for reuse (peers that no reload, no draining router and no request uses any
+/// more). Every worker of every process stamps its slots each second
+/// (`worker::PEER_SLOT_STAMP`); the margin covers a startup between building the first
+/// snapshot (which stamps it) and the workers' first stamp.
+pub const PEER_SLOT_IDLE_MS: u64 = 10_000;
+/// Nothing is freed while some worker row has gone this long without a heartbeat: a
+/// stalled process stamps nothing either.
+pub const PEER_SLOT_BEAT_MS: u64 = 2_000;
+/// How often the lease holder looks for idle peer slots.
+const PEER_SLOT_SWEEP_MS: u64 = 1_000;
 
 /// The lease-holder loop, started on every worker.
 pub async fn run(ctx: Rc<WorkerCtx>) {
@@ -31,6 +42,7 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
     let seg = ctx.shared.seg.clone();
     let mut next_round_ms: HashMap<String, u64> = HashMap::new();
     let mut held = false;
+    let mut next_sweep_ms = 0;
     loop {
         if let Either::Right(()) = race(monoio::time::sleep(LEASE_TICK), ctx.drain.wait()).await {
             if held {
@@ -62,6 +74,18 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
                 rows = reclaimed,
                 "reclaimed worker rows of a dead process, with their in-flight counts"
             );
+        }
+        if now >= next_sweep_ms {
+            next_sweep_ms = now + PEER_SLOT_SWEEP_MS;
+            // Peers that reloads dropped would otherwise hold their slots for the life of
+            // the segment, which takeovers keep, until reloads are refused for want of one.
+            let freed = seg.free_idle_peer_slots(now, PEER_SLOT_IDLE_MS, PEER_SLOT_BEAT_MS);
+            if freed > 0 {
+                tracing::info!(
+                    slots = freed,
+                    "freed the segment slots of peers no longer used"
+                );
+            }
         }
         let snap = ctx.snapshot();
         let now_s = now / 1000;

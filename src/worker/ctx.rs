@@ -3,12 +3,12 @@
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use warmroute_shm::WorkerId;
 
 use super::{AccessLog, AccessLogTarget, LocalNotify, Shared};
-use crate::snapshot::Snapshot;
+use crate::snapshot::{RouteRt, Snapshot};
 use crate::upstream::UpstreamPool;
 
 /// The busy polling the server file asks for, off on the epoll fallback, and `"auto"` off
@@ -42,6 +42,10 @@ pub struct WorkerCtx {
     /// `Rc` around the shared `Arc`: taking it per request touches no shared refcount.
     #[allow(clippy::redundant_allocation)]
     snapshot: RefCell<Rc<Arc<Snapshot>>>,
+    /// The routes of snapshots this worker swapped out, for as long as anything (a request,
+    /// a health probe) still holds them: their peer slots are stamped as in use
+    /// ([`WorkerCtx::touch_peer_slots`]) until the last holder lets go.
+    retired: RefCell<Vec<Weak<RouteRt>>>,
     pub upstreams: RefCell<UpstreamPool>,
     pub drain: LocalNotify,
     pub active_conns: Cell<usize>,
@@ -314,6 +318,7 @@ impl WorkerCtx {
             wid,
             shared,
             snapshot: RefCell::new(Rc::new(snapshot)),
+            retired: RefCell::new(Vec::new()),
             upstreams: RefCell::new(pool),
             drain: LocalNotify::default(),
             active_conns: Cell::new(0),
@@ -354,6 +359,9 @@ impl WorkerCtx {
             .set_mode(busy_poll_mode(&s, self.driver, self.shared.workers_total));
         let listener = s.config.server.bodylog_listener.clone();
         let before = std::mem::replace(&mut *self.snapshot.borrow_mut(), Rc::new(s));
+        self.retired
+            .borrow_mut()
+            .extend(before.routes.iter().map(Arc::downgrade));
         if before.config.server.bodylog_listener != listener {
             // A reload that names another body-log listener, or none: the old sender stops
             // (what it still queued is dropped and counted) and a new one starts.
@@ -370,6 +378,26 @@ impl WorkerCtx {
                 "body-log listener changed"
             );
         }
+    }
+
+    /// Stamp every peer slot this worker may still use as in use at `now_ms`: those of its
+    /// snapshot and of the swapped-out routes something still holds (a request started on
+    /// an older configuration, a health probe), forgetting the routes nobody holds any
+    /// more. The lease holder frees peer slots nobody has stamped for a while
+    /// (`control::PEER_SLOT_IDLE_MS`), so a slot is never freed under a request or a task
+    /// of this process.
+    pub fn touch_peer_slots(&self, now_ms: u64) {
+        let seg = &self.shared.seg;
+        let snap = self.snapshot();
+        let touch = |r: &RouteRt| r.all_peers().for_each(|p| seg.touch_peer(p.slot, now_ms));
+        snap.routes.iter().for_each(|r| touch(r));
+        self.retired.borrow_mut().retain(|w| match w.upgrade() {
+            Some(r) => {
+                touch(&r);
+                true
+            }
+            None => false,
+        });
     }
 
     /// The running body-log sender, if body logging has a listener.
