@@ -33,13 +33,10 @@ pub mod cell {
     pub const WARNED_MINUTE: usize = 43;
 }
 
+/// The route's row; a long route name is shortened with its checksum as peer keys are, so
+/// two long names never share a row.
 pub fn slot(seg: &Segment, route: &str) -> Option<RouteSlot> {
-    let k = format!("{route}#prio");
-    seg.route_slot(if k.len() <= warmroute_shm::MAX_KEY_BYTES {
-        &k
-    } else {
-        "#prio-long-route-names"
-    })
+    seg.route_slot(&crate::snapshot::shorten_key(format!("{route}#prio")))
 }
 
 pub fn enabled(seg: &Segment, slot: RouteSlot, opts: &RouteOpts) -> bool {
@@ -126,5 +123,48 @@ pub fn graded_params(opts: &RouteOpts) -> sp::GradedParams {
         release: opts.session_prio_release,
         t1_probes: opts.session_prio_t1_probes,
         probe_per_window: opts.ttft_probe_per_window,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use warmroute_shm::Capacities;
+
+    #[test]
+    fn routes_with_long_names_get_rows_of_their_own() {
+        struct Tmp(std::path::PathBuf);
+        impl Drop for Tmp {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_file(&self.0);
+            }
+        }
+        let path = std::env::temp_dir().join(format!("warmroute-prio-unit-{}", std::process::id()));
+        let _tmp = Tmp(path.clone());
+        let seg = Segment::open_or_create(
+            &path,
+            Capacities {
+                workers: 1,
+                peers: 1,
+                routes: 16,
+            },
+        )
+        .unwrap();
+        // Two names that fill the key limit and differ only at their end.
+        let (a, b) = (
+            format!("{}a", "r".repeat(200)),
+            format!("{}b", "r".repeat(200)),
+        );
+        let (sa, sb) = (slot(&seg, &a).unwrap(), slot(&seg, &b).unwrap());
+        assert_ne!(sa, sb, "two long route names share one turn-priority row");
+        // Each name keeps its row, and a short name's key is the name itself.
+        assert_eq!(slot(&seg, &a), Some(sa));
+        assert_eq!(seg.find_route_slot("chat#prio"), None);
+        let chat = slot(&seg, "chat").unwrap();
+        assert_eq!(seg.find_route_slot("chat#prio"), Some(chat));
+        assert!([sa, sb].iter().all(|&s| s != chat));
+        // The state itself stays apart: a toggle set on one is not the other's.
+        seg.route_cell(sa, cell::TOGGLE).store(2, Relaxed);
+        assert_eq!(seg.route_cell(sb, cell::TOGGLE).load(Relaxed), 0);
     }
 }
