@@ -13,6 +13,7 @@ use std::marker::PhantomData;
 
 use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
+use serde_json::value::RawValue;
 
 use super::body_scan;
 use crate::http::{Headers, Known};
@@ -187,6 +188,7 @@ pub fn parse_body(body: &[u8]) -> Option<BodyFields> {
 /// [`parse_body`] through serde alone: the fallback, and the oracle the fast path is
 /// tested against.
 pub(super) fn parse_body_serde(body: &[u8]) -> Option<BodyFields> {
+    let _exact = ExactNumbers::set(std::str::from_utf8(body).is_ok());
     match serde_json::from_slice::<Json<'_, TopObj<'_>>>(body).ok()? {
         Json::Object(top) => Some(top.reduce()),
         _ => None,
@@ -386,6 +388,127 @@ impl<O> Json<'_, O> {
     }
 }
 
+thread_local! {
+    /// Whether [`id_value`] reads numbers from their text (see [`ExactNumbers`]).
+    static EXACT_NUMBERS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// While alive, has [`id_value`] read numbers exactly (`on`) or as serde's number visitors
+/// do; restores the previous mode when dropped. Exact reading takes the value's raw text,
+/// which serde_json requires to be UTF-8, whereas it skips the strings of an ignored value
+/// without looking: so it is on only for a body (or string) that is UTF-8 throughout. A
+/// body with invalid UTF-8 in some skipped string (not JSON by RFC 8259, but read so far,
+/// and by the byte scan too) keeps the old reading, numbers past u64 rounded, rather than
+/// failing whole.
+struct ExactNumbers(bool);
+
+impl ExactNumbers {
+    fn set(on: bool) -> ExactNumbers {
+        ExactNumbers(EXACT_NUMBERS.with(|c| c.replace(on)))
+    }
+}
+
+impl Drop for ExactNumbers {
+    fn drop(&mut self) {
+        EXACT_NUMBERS.with(|c| c.set(self.0));
+    }
+}
+
+/// The next value of `map`, where a session id may be, as [`Json`] reads it, except that a
+/// number is its exact value in [`decimal_form`] (under [`ExactNumbers`]): serde's number
+/// visitors would hand an integer past the u64 range over as an f64, rounded, so distinct
+/// ids would merge. The value's text is taken as it is in the body (serde checks its
+/// grammar) and read again unless it is a number.
+fn id_value<'de, A: MapAccess<'de>, O: FromMap<'de>>(
+    map: &mut A,
+) -> Result<Json<'de, O>, A::Error> {
+    if !EXACT_NUMBERS.with(|c| c.get()) {
+        return map.next_value();
+    }
+    let raw: &'de RawValue = map.next_value()?;
+    let text = raw.get();
+    match text.as_bytes().first() {
+        Some(b'-' | b'0'..=b'9') => Ok(Json::Num(decimal_form(text))),
+        _ => serde_json::from_str(text).map_err(de::Error::custom),
+    }
+}
+
+/// A JSON number (valid grammar: `-?int(.frac)?([eE][+-]?exp)?`) in one decimal form per
+/// value, computed from its digits (exact at any size, no float): an integer as its digits
+/// (`100`, `1e2`, `100.0` and `1.00e+2` are all `100`; a plain integer is its own text), a
+/// fraction with a point and no exponent (`0.0015`, from `1.5e-3`); zero, `-0` included, is
+/// `0`. A value whose plain form would pass [`SESSION_ID_HASH_BYTES_MAX`] (so a short
+/// `1e999999` cannot grow into a megabyte) is written `d.ddde<exp>` instead, still one form
+/// per value. An exponent too large for an i64 leaves the text as sent.
+pub(super) fn decimal_form(text: &str) -> String {
+    let (neg, unsigned) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (mantissa, exp) = match unsigned.find(['e', 'E']) {
+        Some(i) => (&unsigned[..i], &unsigned[i + 1..]),
+        None => (unsigned, "0"),
+    };
+    let Ok(exp) = exp.parse::<i64>() else {
+        return text.to_string();
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    // The value is digits × 10^exp, with digits = int ++ frac.
+    let digits = || int.bytes().chain(frac.bytes());
+    let lead = digits().take_while(|&b| b == b'0').count();
+    let total = int.len() + frac.len();
+    if lead == total {
+        return "0".into();
+    }
+    let trail = digits().rev().take_while(|&b| b == b'0').count();
+    let sig: Vec<u8> = digits().skip(lead).take(total - lead - trail).collect();
+    let n = sig.len() as i64;
+    let Some(exp) = exp
+        .checked_sub(frac.len() as i64)
+        .and_then(|e| e.checked_add(trail as i64))
+    else {
+        return text.to_string();
+    };
+    // Length of the plain form: digits and zeros, plus "0." before a fraction below 1.
+    let plain_len = match exp {
+        e if e >= 0 => n.checked_add(e),
+        e if -e < n => Some(n + 1),
+        e => e.checked_neg().and_then(|z| z.checked_add(2)),
+    };
+    let mut out = String::new();
+    if neg {
+        out.push('-');
+    }
+    let sig = std::str::from_utf8(&sig).unwrap_or("0");
+    match plain_len {
+        Some(len) if len <= SESSION_ID_HASH_BYTES_MAX as i64 => {
+            if exp >= 0 {
+                out.push_str(sig);
+                out.extend((0..exp).map(|_| '0'));
+            } else if -exp < n {
+                let point = (n + exp) as usize;
+                out.push_str(&sig[..point]);
+                out.push('.');
+                out.push_str(&sig[point..]);
+            } else {
+                out.push_str("0.");
+                out.extend((0..-exp - n).map(|_| '0'));
+                out.push_str(sig);
+            }
+        }
+        _ => {
+            // d.ddd × 10^(exp + n - 1)
+            out.push_str(&sig[..1]);
+            if n > 1 {
+                out.push('.');
+                out.push_str(&sig[1..]);
+            }
+            let _ = write!(out, "e{}", exp.saturating_add(n - 1));
+        }
+    }
+    out
+}
+
 /// An object read key by key from a map.
 trait FromMap<'de>: Sized {
     fn from_map<A: MapAccess<'de>>(map: A) -> Result<Self, A::Error>;
@@ -488,7 +611,7 @@ impl<'de: 'a, 'a> FromMap<'de> for TopObj<'a> {
                 Key::StreamOptions => o.stream_options = Some(map.next_value()?),
                 Key::Metadata => o.metadata = Some(map.next_value()?),
                 Key::LitellmMetadata => o.litellm_metadata = Some(map.next_value()?),
-                Key::User => o.user = Some(map.next_value()?),
+                Key::User => o.user = Some(id_value(&mut map)?),
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -520,8 +643,8 @@ impl<'de: 'a, 'a> FromMap<'de> for MetadataObj<'a> {
         let mut o = MetadataObj::default();
         while let Some(key) = map.next_key::<Key>()? {
             match key {
-                Key::SessionId => o.session_id = Some(map.next_value()?),
-                Key::UserId => o.user_id = Some(map.next_value()?),
+                Key::SessionId => o.session_id = Some(id_value(&mut map)?),
+                Key::UserId => o.user_id = Some(id_value(&mut map)?),
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -536,7 +659,7 @@ impl<'de: 'a, 'a> FromMap<'de> for SessionIdObj<'a> {
         let mut o = SessionIdObj::default();
         while let Some(key) = map.next_key::<Key>()? {
             if key == Key::SessionId {
-                o.session_id = Some(map.next_value()?);
+                o.session_id = Some(id_value(&mut map)?);
             } else {
                 map.next_value::<IgnoredAny>()?;
             }
@@ -556,6 +679,7 @@ fn reduce_user_id(v: Json<'_, SessionIdObj<'_>>) -> (Option<String>, Option<Stri
     match v {
         Json::Object(o) => (o.usable_id(), None),
         Json::Str(s) => {
+            let _exact = ExactNumbers::set(true); // a str is UTF-8
             let inner = match serde_json::from_str::<Json<'_, SessionIdObj<'_>>>(&s) {
                 Ok(Json::Object(o)) => o.usable_id(),
                 _ => None,
@@ -874,6 +998,107 @@ mod tests {
             sid(&[], r#"{"metadata":{"user_id":"007"}}"#),
             hit("007", "body:metadata.user_id")
         );
+    }
+
+    /// SPEC §3.3 "numbers are used in their decimal form": exactly, at any size, and one
+    /// form per value (found by the black-box review: integers past u64 were rounded to an
+    /// f64, so distinct ids merged, and `1e2` and `100` were two sessions).
+    #[test]
+    fn numeric_ids_keep_their_exact_value_in_one_form() {
+        let sources = [
+            (
+                r#"{"metadata":{"session_id":N}}"#,
+                "body:metadata.session_id",
+            ),
+            (
+                r#"{"litellm_metadata":{"session_id":N}}"#,
+                "body:litellm_metadata.session_id",
+            ),
+            (
+                r#"{"metadata":{"user_id":{"session_id":N}}}"#,
+                "body:metadata.user_id.session_id",
+            ),
+            (
+                r#"{"metadata":{"user_id":"{\"session_id\":N}"}}"#,
+                "body:metadata.user_id.session_id",
+            ),
+            (r#"{"metadata":{"user_id":N}}"#, "body:metadata.user_id"),
+            (r#"{"user":N}"#, "body:user"),
+        ];
+        let cases = [
+            ("18446744073709551616", "18446744073709551616"),
+            ("18446744073709551617", "18446744073709551617"),
+            ("99999999999999999999999", "99999999999999999999999"),
+            ("100000000000000000000001", "100000000000000000000001"),
+            ("-100000000000000000000001", "-100000000000000000000001"),
+            ("1e2", "100"),
+            ("100.0", "100"),
+            ("100", "100"),
+            ("-0", "0"),
+            ("1.5", "1.5"),
+            ("1e23", "100000000000000000000000"),
+        ];
+        for (template, label) in sources {
+            for (sent, used) in cases {
+                let body = template.replace('N', sent);
+                assert_eq!(sid(&[], &body), hit(used, label), "{body}");
+            }
+        }
+    }
+
+    /// Reading numbers from their text must not make serde refuse a body it read before:
+    /// one with invalid UTF-8 in a string skipped inside an id field.
+    #[test]
+    fn a_body_with_invalid_utf8_in_a_skipped_string_still_parses() {
+        let body = b"{\"model\":\"m\",\"metadata\":{\"user_id\":[\"\xff\"],\"session_id\":5e0},\"user\":{\"a\":\"\xfe\"}}";
+        let f = parse_body(body).expect("read as before");
+        assert_eq!(f.model.as_deref(), Some("m"));
+        assert_eq!(
+            f.metadata_session_id.as_deref(),
+            Some("5.0"),
+            "serde's reading"
+        );
+        // The control: the same body in UTF-8 reads the number exactly.
+        let utf8 = String::from_utf8_lossy(body).into_owned();
+        let f = parse_body(utf8.as_bytes()).unwrap();
+        assert_eq!(f.metadata_session_id.as_deref(), Some("5"));
+    }
+
+    #[test]
+    fn decimal_form_is_exact_and_one_per_value() {
+        for (sent, used) in [
+            ("0", "0"),
+            ("-0.0e5", "0"),
+            ("0.000", "0"),
+            ("7", "7"),
+            ("-7", "-7"),
+            ("1E2", "100"),
+            ("1.00e+2", "100"),
+            ("0.5e1", "5"),
+            ("1000e-3", "1"),
+            ("123.4500", "123.45"),
+            ("1.5e-3", "0.0015"),
+            ("-1.5E-3", "-0.0015"),
+            ("12.5e-1", "1.25"),
+            ("9007199254740993", "9007199254740993"),
+            ("12345678901234567890.5", "12345678901234567890.5"),
+            ("1e99999999999999999999", "1e99999999999999999999"),
+        ] {
+            assert_eq!(decimal_form(sent), used, "{sent}");
+        }
+        // A short number never grows past the hashed length: beyond it, d.ddde<exp>.
+        let plain = decimal_form("1e4095");
+        assert_eq!(plain.len(), SESSION_ID_HASH_BYTES_MAX);
+        assert!(plain.starts_with('1') && plain[1..].bytes().all(|b| b == b'0'));
+        assert_eq!(decimal_form("1e4096"), "1e4096");
+        assert_eq!(decimal_form("10e4095"), "1e4096");
+        assert_eq!(decimal_form("12.5e5000"), "1.25e5001");
+        assert_eq!(decimal_form("-1e999999"), "-1e999999");
+        let tiny = decimal_form("1e-4094");
+        assert_eq!(tiny.len(), SESSION_ID_HASH_BYTES_MAX);
+        assert!(tiny.starts_with("0.000") && tiny.ends_with("01"));
+        assert_eq!(decimal_form("1e-4095"), "1e-4095");
+        assert_eq!(decimal_form("0.1e-4094"), "1e-4095");
     }
 
     #[test]
