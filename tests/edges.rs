@@ -235,14 +235,15 @@ fn injected_usage_is_recorded_but_removed_from_the_client_stream() {
         "the client did not ask for usage and gets none:\n{plain}"
     );
     // The tokens are recorded when the relay ends, which can be a moment after the client
-    // has read the last byte.
+    // has read the last byte, one counter after the other (prompt, cached, completion):
+    // wait for the last one.
     let mut st = serde_json::Value::Null;
     eventually(
         Duration::from_secs(5),
         "the router records the tokens",
         || {
             st = request(env.public(), &get("/r/_route_state")).json();
-            st["cache"]["prompt_tokens"] != 0
+            st["cache"]["prompt_tokens"] != 0 && st["cache"]["completion_tokens"] != 0
         },
     );
     assert_eq!(st["transforms"]["usage_injected"], 1);
