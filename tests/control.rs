@@ -251,3 +251,62 @@ fn session_priority_refuses_turn_one_first_near_the_limit() {
         1
     );
 }
+
+/// Hold `n` slow non-streaming requests on route `r` in flight (each takes `ms` to answer).
+fn hold(env: &Env, n: usize, ms: u32) -> Vec<std::thread::JoinHandle<Resp>> {
+    let addr = env.public();
+    let held: Vec<_> = (0..n)
+        .map(|_| {
+            std::thread::spawn(move || {
+                request(
+                    addr,
+                    &post_json(
+                        "/r/v1/chat/completions",
+                        &chat_body("x", false),
+                        &format!("x-mock-ttft-ms: {ms}\r\n"),
+                    ),
+                )
+            })
+        })
+        .collect();
+    eventually(Duration::from_secs(5), "requests in flight", || {
+        inflight_total(env, "r") == n as i64
+    });
+    held
+}
+
+#[test]
+fn route_state_shows_the_adaptive_limit_in_force_and_the_static_one() {
+    let m = mock("m0");
+    let route = format!(
+        "peers = [ {{ host = \"127.0.0.1\", port = {}, max_concurrency = 8 }} ]\n\
+         adaptive_cc = true\nadaptive_cc_init = 3\nadaptive_cc_interval = 600\n",
+        m.addr().port()
+    );
+    let env = start(&[("r", route)], "");
+    let st = request(env.public(), &get("/r/_route_state")).json();
+    assert_eq!(st["limit"], 3, "the adaptive limit: {st}");
+    assert_eq!(
+        st["pool_limit"], 8,
+        "the static capacity stays visible: {st}"
+    );
+    assert_eq!(st["adaptive_cc"], true, "{st}");
+    // The control: the gate applies that limit — three in flight, a fourth is refused by
+    // the same figure, and _route_state says so while it happens.
+    let held = hold(&env, 3, 1500);
+    let r = request(
+        env.public(),
+        &post_json("/r/v1/chat/completions", &chat_body("x", false), ""),
+    );
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json()["error"]["limit"], 3);
+    let st = request(env.public(), &get("/r/_route_state")).json();
+    assert_eq!(
+        (st["limit"].clone(), st["inflight"].clone()),
+        (json!(3), json!(3)),
+        "{st}"
+    );
+    for h in held {
+        assert_eq!(h.join().unwrap().status, 200);
+    }
+}

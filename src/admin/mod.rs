@@ -245,10 +245,16 @@ fn meta(ctx: &WorkerCtx, snap: &Snapshot, route: &RouteRt) -> Value {
     })
 }
 
-fn tier_json(seg: &Segment, pool: &PoolRt, now: u64) -> Value {
+/// A pool's tiers and its concurrency limit. `limit` is the limit the gate applies now —
+/// the adaptive one on an `adaptive_cc` route (SPEC §5.4), the same figure its 429 bodies
+/// and `warmroute_pool_effective_limit` show — and `pool_limit` the healthy capacity of the
+/// active tier, which is the static limit and the adaptive limit's ceiling.
+fn tier_json(seg: &Segment, opts: &crate::config::RouteOpts, pool: &PoolRt, now: u64) -> Value {
     let loads = pool.loads(seg, now);
     let active = peer_select::active_tier(&loads);
     let fig = admission::figures(&loads, 1.0);
+    let pool_limit = fig.map_or(0.0, |f| f.limit);
+    let limit = crate::control::latency::concurrency_limit(opts, pool, seg, now / 1000, pool_limit);
     let mut by_priority: BTreeMap<i32, Vec<usize>> = BTreeMap::new();
     for (i, l) in loads.iter().enumerate() {
         by_priority.entry(l.priority).or_default().push(i);
@@ -276,7 +282,9 @@ fn tier_json(seg: &Segment, pool: &PoolRt, now: u64) -> Value {
     }
     json!({
         "active_level": active.unwrap_or(0),
-        "limit": crate::pipeline::error_response::limit_json(fig.map_or(0.0, |f| f.limit)),
+        "limit": crate::pipeline::error_response::limit_json(limit),
+        "pool_limit": crate::pipeline::error_response::limit_json(pool_limit),
+        "adaptive_cc": opts.adaptive_cc,
         "inflight": loads.iter().map(|l| l.inflight).sum::<i64>(),
         "healthy_peers_in_level": fig.map_or(0, |f| f.healthy_peers),
         "by_priority": tiers,
@@ -372,11 +380,16 @@ fn route_endpoint(
                 let pools: Map<String, Value> = route
                     .pools
                     .iter()
-                    .map(|p| (p.model.clone().unwrap_or_default(), tier_json(seg, p, now)))
+                    .map(|p| {
+                        (
+                            p.model.clone().unwrap_or_default(),
+                            tier_json(seg, &route.cfg.opts, p, now),
+                        )
+                    })
                     .collect();
                 v.insert("pools".into(), Value::Object(pools));
             } else if let Some(p) = route.pools.first() {
-                if let Value::Object(t) = tier_json(seg, p, now) {
+                if let Value::Object(t) = tier_json(seg, &route.cfg.opts, p, now) {
                     v.extend(t);
                 }
             }
