@@ -310,3 +310,63 @@ fn route_state_shows_the_adaptive_limit_in_force_and_the_static_one() {
         assert_eq!(h.join().unwrap().status, 200);
     }
 }
+
+#[test]
+fn rate_limit_status_names_the_layer_that_set_the_switch() {
+    let m = mock("m0");
+    let one = |extra: &str| {
+        format!(
+            "peers = [ {{ host = \"127.0.0.1\", port = {}, max_concurrency = 1 }} ]\n{extra}",
+            m.addr().port()
+        )
+    };
+    // "r" inherits the server default (off); "own" sets the same value itself; "on" sets
+    // the opposite of the default.
+    let env = start(
+        &[
+            ("r", one("")),
+            ("own", one("load_rate_limit = false\n")),
+            ("on", one("load_rate_limit = true\n")),
+        ],
+        "[defaults]\nload_rate_limit = false\n",
+    );
+    let st =
+        |route: &str| request(env.public(), &get(&format!("/{route}/_rate_limit_status"))).json();
+    let r = st("r");
+    assert_eq!(r["pools"]["_"]["enabled"], false, "{r}");
+    assert_eq!(r["pools"]["_"]["source"], "server_default", "{r}");
+    assert_eq!(r["route_option"], serde_json::Value::Null, "{r}");
+    assert_eq!(r["server_default"], false, "{r}");
+    let own = st("own");
+    assert_eq!(own["pools"]["_"]["source"], "route", "{own}");
+    assert_eq!(
+        (own["route_option"].clone(), own["server_default"].clone()),
+        (json!(false), json!(false)),
+        "{own}"
+    );
+    let on = st("on");
+    assert_eq!(on["pools"]["_"]["enabled"], true, "{on}");
+    assert_eq!(on["pools"]["_"]["source"], "route", "{on}");
+    assert_eq!(
+        (on["route_option"].clone(), on["server_default"].clone()),
+        (json!(true), json!(false)),
+        "{on}"
+    );
+    // The control: the inherited default is what is in force — one request held on a limit
+    // of one, a second goes through and counts a trip.
+    let held = hold(&env, 1, 1500);
+    let r2 = request(
+        env.public(),
+        &post_json("/r/v1/chat/completions", &chat_body("x", false), ""),
+    );
+    assert_eq!(r2.status, 200, "{}", r2.text());
+    assert_eq!(st("r")["pools"]["_"]["trips"]["concurrency"], 1);
+    for h in held {
+        assert_eq!(h.join().unwrap().status, 200);
+    }
+    // The runtime override is named as such while it is in place.
+    request(env.public(), &get("/r/_rate_limit_toggle?on=1"));
+    assert_eq!(st("r")["pools"]["_"]["source"], "runtime");
+    request(env.public(), &get("/r/_rate_limit_toggle?reset=1"));
+    assert_eq!(st("r")["pools"]["_"]["source"], "server_default");
+}

@@ -282,14 +282,26 @@ pub fn session_status(ctx: &WorkerCtx, r: &RouteRt) -> Value {
     })
 }
 
-/// The master switch per pool: effective state, where it comes from, trips per gate.
+/// The master switch per pool: effective state, the layer it comes from, trips per gate;
+/// and the two configured layers under the runtime override: the route's own option
+/// (`null` when the route does not set it) and the server default.
 pub fn rate_limit_status(ctx: &WorkerCtx, r: &RouteRt) -> Value {
     let seg = &ctx.shared.seg;
+    let opts = &r.cfg.opts;
+    let route_option = opts
+        .set_by_route
+        .contains("load_rate_limit")
+        .then_some(opts.load_rate_limit);
+    let server_default = match route_option {
+        // Inherited: the route's value is the server default it was built with.
+        None => opts.load_rate_limit,
+        Some(_) => ctx.snapshot().config.server.defaults.load_rate_limit,
+    };
     let per: Map<String, Value> = r
         .pools
         .iter()
         .map(|p| {
-            let (on, source) = latency::rate_limit_on(&r.cfg.opts, p, seg);
+            let (on, source) = latency::rate_limit_state(opts, p, seg);
             (
                 pool_key(p),
                 json!({
@@ -304,5 +316,5 @@ pub fn rate_limit_status(ctx: &WorkerCtx, r: &RouteRt) -> Value {
             )
         })
         .collect();
-    json!({"route": r.name(), "route_option": r.cfg.opts.load_rate_limit, "pools": per})
+    json!({"route": r.name(), "route_option": route_option, "server_default": server_default, "pools": per})
 }

@@ -217,11 +217,28 @@ impl From<ewma::Gate> for Verdict {
 
 /// The rate-limit master switch (SPEC §5.6): runtime override > route option (which already
 /// holds the server default when the route does not set it).
-pub fn rate_limit_on(opts: &RouteOpts, pool: &PoolRt, seg: &Segment) -> (bool, &'static str) {
+pub fn rate_limit_on(opts: &RouteOpts, pool: &PoolRt, seg: &Segment) -> bool {
     match ps::ctl_cell(seg, pool.slots.ctl, ctl::RATE_LIMIT).load(Relaxed) {
-        1 => (true, "runtime"),
-        2 => (false, "runtime"),
-        _ => (opts.load_rate_limit, "route"),
+        1 => true,
+        2 => false,
+        _ => opts.load_rate_limit,
+    }
+}
+
+/// Where the master switch's state comes from, as `/_rate_limit_status` names the layer.
+pub const RL_SRC_RUNTIME: &str = "runtime";
+pub const RL_SRC_ROUTE: &str = "route";
+pub const RL_SRC_SERVER_DEFAULT: &str = "server_default";
+
+/// The master switch and the layer that set it: the runtime override, the route's own
+/// `load_rate_limit`, or the server file's `[defaults]` value the route inherited. For the
+/// status endpoints; the request path asks `rate_limit_on`.
+pub fn rate_limit_state(opts: &RouteOpts, pool: &PoolRt, seg: &Segment) -> (bool, &'static str) {
+    match ps::ctl_cell(seg, pool.slots.ctl, ctl::RATE_LIMIT).load(Relaxed) {
+        1 => (true, RL_SRC_RUNTIME),
+        2 => (false, RL_SRC_RUNTIME),
+        _ if opts.set_by_route.contains("load_rate_limit") => (opts.load_rate_limit, RL_SRC_ROUTE),
+        _ => (opts.load_rate_limit, RL_SRC_SERVER_DEFAULT),
     }
 }
 

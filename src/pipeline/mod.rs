@@ -601,7 +601,7 @@ async fn proxy(
     let mut prio_bucket: Option<(warmroute_shm::RouteSlot, usize)> = None;
     if upstream_path != "/v1/models" {
         let ctl_cell = |i| control::pool_state::ctl_cell(seg, pool.slots.ctl, i);
-        let (rate_on, _) = latency::rate_limit_on(opts, pool, seg);
+        let rate_on = latency::rate_limit_on(opts, pool, seg);
         fig.limit = latency::concurrency_limit(opts, pool, seg, now_s, fig.limit);
         // Session turn priority, when on: the request's turn bucket grades the gates.
         let prio = Some(route.prio_slot)
