@@ -198,8 +198,14 @@ fn ct_eq(stored: &[u8], candidate: &[u8]) -> usize {
 #[derive(Debug, Clone)]
 pub struct KeyFile {
     pub path: Option<PathBuf>,
+    /// What the file itself gave at the last read.
     pub status: KeyFileStatus,
+    /// The keys in force. Normally the file's; see `kept_previous`.
     pub table: Arc<KeyTable>,
+    /// The file was read with keys before and now reads empty or unreadable: `table` holds
+    /// the keys of that earlier read, still in force (an emptied file does not open every
+    /// route), while `status` says what the file holds now.
+    pub kept_previous: bool,
     /// Taken before the read, so a change racing the read shows up on the next poll.
     pub stamp: FileStamp,
 }
@@ -212,6 +218,7 @@ pub fn load_key_file(path: Option<&Path>) -> KeyFile {
             path: None,
             status: KeyFileStatus::Unset,
             table: Arc::new(KeyTable::default()),
+            kept_previous: false,
             stamp: FileStamp::missing(),
         };
     };
@@ -237,6 +244,7 @@ pub fn load_key_file(path: Option<&Path>) -> KeyFile {
         path: Some(path.to_path_buf()),
         status,
         table: Arc::new(table),
+        kept_previous: false,
         stamp,
     }
 }
@@ -519,6 +527,7 @@ mod tests {
             path: None,
             status: KeyFileStatus::Ok,
             table: Arc::new(t),
+            kept_previous: false,
             stamp: FileStamp::missing(),
         };
         assert!(!format!("{f:?}").contains("supersecret"));

@@ -192,12 +192,31 @@ fn retire_previous(workers: &Workers, seg: &Segment) {
     }
 }
 
-/// Read the key file; say what it gave when that differs from `before` (the status at the
-/// last load: a reload that finds the file as it was says nothing).
-fn load_keys(config: &Config, before: Option<(&Option<PathBuf>, KeyFileStatus)>) -> KeyFile {
-    let kf = load_key_file(config.server.api_keys_file.as_deref());
-    if before.is_some_and(|(p, s)| *p == kf.path && s == kf.status && s != KeyFileStatus::Ok) {
-        return kf;
+/// Read the key file and say what it gave, unless that is what `before` (the keys in force,
+/// on a reload) already said: a reload that finds the file as it was says nothing.
+///
+/// A file that was read with keys and now reads empty or unreadable is taken for a write in
+/// progress (an editor truncating it first) or a broken mount, not for a decision to drop
+/// authentication: the keys in force stay (`kept_previous`), for as long as the file stays
+/// so. Fail-open is for a router that never had keys; a file removed on purpose (missing)
+/// still turns the keys off.
+fn load_keys(config: &Config, before: Option<&KeyFile>) -> KeyFile {
+    let mut kf = load_key_file(config.server.api_keys_file.as_deref());
+    if let Some(b) = before {
+        if matches!(kf.status, KeyFileStatus::Empty | KeyFileStatus::Unreadable)
+            && kf.path == b.path
+            && !b.table.is_empty()
+        {
+            kf.table = b.table.clone();
+            kf.kept_previous = true;
+        }
+        if kf.path == b.path
+            && kf.status == b.status
+            && kf.kept_previous == b.kept_previous
+            && kf.status != KeyFileStatus::Ok
+        {
+            return kf;
+        }
     }
     let path = kf
         .path
@@ -206,6 +225,13 @@ fn load_keys(config: &Config, before: Option<(&Option<PathBuf>, KeyFileStatus)>)
         .unwrap_or_else(|| "(none configured)".into());
     match kf.status {
         KeyFileStatus::Ok => tracing::info!(path, keys = kf.table.len(), "API keys loaded"),
+        status if kf.kept_previous => tracing::error!(
+            path,
+            status = status.as_str(),
+            kept = kf.table.len(),
+            "API key file is now {}: keeping the keys loaded before; authentication stays ON with them",
+            status.as_str()
+        ),
         KeyFileStatus::Unreadable => tracing::error!(
             path,
             "API key file is present but unreadable: authentication is OFF (fail-open)"
@@ -359,26 +385,7 @@ impl Router {
             fresh.server.shm_path = old.shm_path.clone();
         }
         let fresh = Arc::new(fresh);
-        let mut keys = Arc::new(load_keys(&fresh, Some((&self.keys.path, self.keys.status))));
-        // A key file that was read and is now empty or unreadable is taken for a write in
-        // progress (an editor truncating it first) or a broken mount, not for a decision to
-        // drop authentication: the keys in force stay. Fail-open is for a router that never
-        // had keys; a file removed on purpose (missing) still turns the keys off.
-        if matches!(
-            keys.status,
-            KeyFileStatus::Empty | KeyFileStatus::Unreadable
-        ) && self.keys.status == KeyFileStatus::Ok
-            && keys.path == self.keys.path
-        {
-            tracing::error!(
-                path = %keys.path.as_deref().map(|p| p.display().to_string()).unwrap_or_default(),
-                status = keys.status.as_str(),
-                kept = self.keys.table.len(),
-                "API key file is now {}: keeping the keys loaded before",
-                keys.status.as_str()
-            );
-            keys = self.keys.clone();
-        }
+        let keys = Arc::new(load_keys(&fresh, Some(&self.keys)));
         let snap = Snapshot::build(fresh.clone(), keys.clone(), &self.seg, self.generation + 1)
             .map_err(|e| {
                 vec![ConfigError {

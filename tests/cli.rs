@@ -749,7 +749,7 @@ fn key_rotation_by_sighup_keeps_streams_and_logs_owners_not_keys() {
     let hs = request(p.public, &get("/a/_health_status")).json();
     assert_eq!(
         hs["_meta"],
-        serde_json::json!({"api_keys_configured": true, "route_auth_enabled": true, "key_file_status": "ok"})
+        serde_json::json!({"api_keys_configured": true, "route_auth_enabled": true, "key_file_status": "ok", "kept_previous_keys": false})
     );
     // Owners are logged, keys never.
     let text = || std::fs::read_to_string(&log).unwrap_or_default();
@@ -1090,7 +1090,7 @@ fn a_missing_key_file_fails_open_and_says_so() {
     let hs = request(p.public, &get("/a/_health_status")).json();
     assert_eq!(
         hs["_meta"],
-        serde_json::json!({"api_keys_configured": false, "route_auth_enabled": false, "key_file_status": "missing"})
+        serde_json::json!({"api_keys_configured": false, "route_auth_enabled": false, "key_file_status": "missing", "kept_previous_keys": false})
     );
     // The control: a route with its own table still enforces it.
     assert_eq!(
@@ -1133,13 +1133,48 @@ fn a_key_file_emptied_on_a_running_router_keeps_the_keys_in_force() {
         assert_eq!(no_key(), 401, "an empty key file opened the route");
         assert_eq!(chat_with_key(&p, "a", "k1", "").status, 200);
     }
+    // What the router says is what it does: the file is empty, the earlier keys are in
+    // force, and no line claims that authentication is off.
+    // (Each worker takes the new snapshot on its next tick: wait until all have.)
+    let meta = || request(p.public, &get("/a/_health_status")).json()["_meta"].clone();
+    let kept = serde_json::json!({"api_keys_configured": true, "route_auth_enabled": true, "key_file_status": "empty", "kept_previous_keys": true});
+    eventually(
+        Duration::from_secs(5),
+        "the status names the emptied file",
+        || (0..4).all(|_| meta() == kept),
+    );
+    assert!(!text().contains("authentication is OFF"), "{}", text());
+    // Another reload finds the file as it was: the keys stay, and it is not said again.
+    p.signal("HUP");
+    eventually(Duration::from_secs(5), "reloaded again", || {
+        text().contains("configuration reloaded generation=3")
+    });
+    assert_eq!(
+        no_key(),
+        401,
+        "a second reload of the empty file opened the route"
+    );
+    assert_eq!(meta(), kept);
+    assert_eq!(
+        text().matches("keeping the keys loaded before").count(),
+        1,
+        "{}",
+        text()
+    );
     // The control: a key file removed on purpose turns the keys off (fail-open, as at
-    // start), and a new file is taken as it is.
+    // start) and says so, and a new file is taken as it is.
     std::fs::remove_file(&keys).unwrap();
     p.signal("HUP");
     eventually(Duration::from_secs(5), "keys off", || {
         (0..4).all(|_| no_key() == 200)
     });
+    let off = serde_json::json!({"api_keys_configured": false, "route_auth_enabled": false, "key_file_status": "missing", "kept_previous_keys": false});
+    eventually(
+        Duration::from_secs(5),
+        "the status says the keys are off",
+        || (0..4).all(|_| meta() == off),
+    );
+    assert!(text().contains("authentication is OFF"), "{}", text());
     std::fs::write(&keys, "k2:bob\n").unwrap();
     p.signal("HUP");
     eventually(Duration::from_secs(5), "new keys", || {

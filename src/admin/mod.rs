@@ -242,6 +242,9 @@ fn meta(ctx: &WorkerCtx, snap: &Snapshot, route: &RouteRt) -> Value {
         "api_keys_configured": !kf.table.is_empty(),
         "route_auth_enabled": !route.keys.is_empty(),
         "key_file_status": kf.status.as_str(),
+        // The file reads empty or unreadable now, and the keys of its last good read are
+        // still in force (so `api_keys_configured` stays true and auth stays on).
+        "kept_previous_keys": kf.kept_previous,
     })
 }
 
