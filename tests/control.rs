@@ -62,6 +62,10 @@ fn ttft_shedding_probes_recovery_and_the_master_switch() {
     assert_eq!(e["type"], "ttft_limit_exceeded");
     assert_eq!(e["ttft_limit"], 200.0);
     assert!(e["ttft_ewma"].as_f64().unwrap() >= 200.0);
+    assert!(
+        e["avg_5min"].is_number(),
+        "the cluster average (SPEC §5.5): {e}"
+    );
     assert_eq!(shed[0].header("retry-after"), Some("1"));
     assert!(
         request(env.public(), &get("/r/_429_status")).json()["by_reason"]["ttft"]
@@ -300,6 +304,7 @@ fn route_state_shows_the_adaptive_limit_in_force_and_the_static_one() {
     );
     assert_eq!(r.status, 429, "{}", r.text());
     assert_eq!(r.json()["error"]["limit"], 3);
+    assert!(r.json()["error"]["avg_5min"].is_number(), "{}", r.text());
     let st = request(env.public(), &get("/r/_route_state")).json();
     assert_eq!(
         (st["limit"].clone(), st["inflight"].clone()),
@@ -369,4 +374,39 @@ fn rate_limit_status_names_the_layer_that_set_the_switch() {
     assert_eq!(st("r")["pools"]["_"]["source"], "runtime");
     request(env.public(), &get("/r/_rate_limit_toggle?reset=1"));
     assert_eq!(st("r")["pools"]["_"]["source"], "server_default");
+}
+
+#[test]
+fn a_concurrency_429_carries_the_five_minute_cluster_average() {
+    let m = mock("m0");
+    let route = format!(
+        "peers = [ {{ host = \"127.0.0.1\", port = {}, max_concurrency = 1 }} ]\n",
+        m.addr().port()
+    );
+    let env = start(&[("r", route)], "");
+    // The control: the sampler ran, so the average exists (SPEC §5.5).
+    let avg = || {
+        let c = request(env.public(), &get("/r/_cluster_avg")).json();
+        assert!(c["pools"]["_"]["samples"].as_u64().unwrap() >= 1, "{c}");
+        c["pools"]["_"]["avg_5min"].clone()
+    };
+    eventually(Duration::from_secs(5), "a cluster sample", || {
+        request(env.public(), &get("/r/_cluster_avg")).json()["pools"]["_"]["samples"]
+            .as_u64()
+            .unwrap()
+            >= 1
+    });
+    let held = hold(&env, 1, 1500);
+    let r = request(
+        env.public(),
+        &post_json("/r/v1/chat/completions", &chat_body("x", false), ""),
+    );
+    assert_eq!(r.status, 429, "{}", r.text());
+    let e = &r.json()["error"];
+    assert_eq!(e["type"], "concurrency_limit_exceeded");
+    assert!(e["avg_5min"].is_number(), "{e}");
+    assert_eq!(e["avg_5min"], avg(), "{e}");
+    for h in held {
+        assert_eq!(h.join().unwrap().status, 200);
+    }
 }

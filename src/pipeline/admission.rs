@@ -28,6 +28,7 @@ pub fn figures(loads: &[Load], rt_limit_factor: f64) -> Option<ConcurrencyFigure
         rt_factor: rt_limit_factor,
         healthy_peers,
         active_level: tier,
+        avg_5min: 0.0,
     })
 }
 

@@ -58,6 +58,8 @@ pub enum ProxyError {
         model: Option<String>,
         healthy_peers: usize,
         active_level: i32,
+        /// The pool's 5-minute sampled in-flight average (SPEC §5.5).
+        avg_5min: f64,
     },
 }
 
@@ -70,6 +72,9 @@ pub struct ConcurrencyFigures {
     pub rt_factor: f64,
     pub healthy_peers: usize,
     pub active_level: i32,
+    /// The pool's 5-minute sampled in-flight average (SPEC §5.5), filled in when the gate
+    /// refuses (it is read from the segment only then).
+    pub avg_5min: f64,
 }
 
 impl ProxyError {
@@ -215,6 +220,7 @@ impl ProxyError {
                 model,
                 healthy_peers,
                 active_level,
+                avg_5min,
             } => {
                 err.insert("trigger".into(), json!(format!("{gate}_ewma")));
                 err.insert(format!("{gate}_ewma"), json!((ewma * 10.0).round() / 10.0));
@@ -222,6 +228,7 @@ impl ProxyError {
                 err.insert("model".into(), json!(model.as_deref().unwrap_or("-")));
                 err.insert("healthy_peers".into(), json!(healthy_peers));
                 err.insert("active_level".into(), json!(active_level));
+                err.insert("avg_5min".into(), json!(round1(*avg_5min)));
             }
             ProxyError::ModelNotSupported { model, supported } => {
                 err.insert("model".into(), json!(model));
@@ -237,11 +244,17 @@ impl ProxyError {
                 err.insert("rt_factor".into(), json!(f.rt_factor));
                 err.insert("healthy_peers".into(), json!(f.healthy_peers));
                 err.insert("active_level".into(), json!(f.active_level));
+                err.insert("avg_5min".into(), json!(round1(f.avg_5min)));
             }
             _ => {}
         }
         json!({ "error": Value::Object(err) })
     }
+}
+
+/// One decimal, as the cluster average is shown.
+fn round1(v: f64) -> f64 {
+    (v * 10.0).round() / 10.0
 }
 
 /// A limit as JSON: an integer when it is one (static limits), else the fraction the

@@ -637,6 +637,7 @@ async fn proxy(
                 rcell(cells::route::REJECT_CONCURRENCY).fetch_add(1, Relaxed);
                 // Unmet demand, for the adaptive limit.
                 ctl_cell(control::pool_state::ctl::REJ).fetch_add(1, Relaxed);
+                fig.avg_5min = latency::cluster_avg(pool, seg, now_s).0;
                 shed = Some(ProxyError::ConcurrencyLimit(fig));
             } else {
                 latency::count_trip(seg, pool, "concurrency");
@@ -672,6 +673,7 @@ async fn proxy(
                         model: pool.model.clone().or_else(|| model.map(String::from)),
                         healthy_peers: fig.healthy_peers,
                         active_level: fig.active_level,
+                        avg_5min: latency::cluster_avg(pool, seg, now_s).0,
                     });
                 } else {
                     latency::count_trip(seg, pool, sig.name());
