@@ -410,3 +410,84 @@ fn a_concurrency_429_carries_the_five_minute_cluster_average() {
         assert_eq!(h.join().unwrap().status, 200);
     }
 }
+
+#[test]
+fn with_the_switch_off_every_latency_trip_is_counted_and_no_probe_slot_is_spent() {
+    let m = mock_with("m0", |c| c.ttft_base_ms = 400);
+    // A long probe window with room for five: what the requests below would take from it
+    // is plain to see, and the window does not turn over during the test.
+    let opts = "load_rate_limit = false\nttft_metrics = [ { metric = \"avg\", threshold = 200 } ]\n\
+                ttft_window = 1\nttft_ttl = 30\nttft_probe_window = 600\nttft_probe_per_window = 5\n";
+    let env = start(
+        &[
+            ("r", route_for(&[m.addr()], opts)),
+            (
+                "p",
+                route_for(&[m.addr()], &format!("{opts}session_prio = true\n")),
+            ),
+        ],
+        "",
+    );
+    let turn1 = "x-phanrouter-session: {\"session_id\":\"s1\",\"turn\":1}\r\n";
+    let send = |route: &str| {
+        let body = json!({"model": "m", "stream": true, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
+        request(
+            env.public(),
+            &post_json(
+                &format!("/{route}/v1/chat/completions"),
+                &body.to_string(),
+                turn1,
+            ),
+        )
+        .status
+    };
+    let ttft = |route: &str| {
+        request(env.public(), &get(&format!("/{route}/_ttft_status"))).json()["pools"]["_"].clone()
+    };
+    let trips = |route: &str| {
+        request(env.public(), &get(&format!("/{route}/_rate_limit_status"))).json()["pools"]["_"]
+            ["trips"]["ttft"]
+            .as_u64()
+            .unwrap()
+    };
+    // Slow first tokens until each route's EWMA is over its limit; stop at once, so that
+    // (before the fix) hardly any of the probe budget is gone.
+    for route in ["r", "p"] {
+        let t0 = Instant::now();
+        while ttft(route)["hit"] != true {
+            assert!(t0.elapsed() < Duration::from_secs(15), "{}", ttft(route));
+            assert_eq!(send(route), 200);
+        }
+    }
+    for route in ["r", "p"] {
+        let before = trips(route);
+        for _ in 0..4 {
+            assert_eq!(
+                send(route),
+                200,
+                "the switch is off: {route} lets it through"
+            );
+        }
+        let st = ttft(route);
+        // The control: the gate measured and is tripped.
+        assert_eq!(st["hit"], true, "{st}");
+        assert!(st["ewma"].as_f64().unwrap() >= 200.0, "{st}");
+        assert_eq!(
+            trips(route) - before,
+            4,
+            "every trip counted on {route}: {st}"
+        );
+        assert_eq!(st["trips_while_rate_limit_off"], trips(route));
+        assert_eq!(
+            st["probe_used_cur_window"], 0,
+            "no probe slot spent on {route}: {st}"
+        );
+    }
+    // Session priority's turn-1 hold flag is neither set nor released while the switch is off.
+    let ss = request(env.public(), &get("/p/_session_status")).json();
+    assert_eq!(ss["turn1_hold"], false, "{ss}");
+    // With the switch back on, the whole probe budget is there: five pass, then 429.
+    request(env.public(), &get("/r/_rate_limit_toggle?on=1"));
+    let codes: Vec<u16> = (0..6).map(|_| send("r")).collect();
+    assert_eq!(codes, [200, 200, 200, 200, 200, 429]);
+}

@@ -179,12 +179,28 @@ pub fn record_sample(
 pub enum Verdict {
     Pass,
     Probe,
-    Shed { ewma: f64, threshold: f64 },
+    Shed {
+        ewma: f64,
+        threshold: f64,
+    },
+    /// Tripped while the rate-limit master switch is off: let through and counted as a
+    /// trip (SPEC §5.6). No probe slot is taken — there is nothing to probe past — so the
+    /// window's budget is whole when the switch comes back on.
+    Trip,
 }
 
 /// The TTFT or decode-rate gate for one request (SPEC §5.1/§5.2). Off unless a threshold
-/// is configured; a runtime toggle can switch it off while measurement goes on.
-pub fn gate(opts: &RouteOpts, sig: Signal, pool: &PoolRt, seg: &Segment, now_s: u64) -> Verdict {
+/// is configured; a runtime toggle can switch it off while measurement goes on. `enforce`
+/// is the rate-limit master switch: without it a hit is a `Trip`, whatever the probe
+/// budget holds.
+pub fn gate(
+    opts: &RouteOpts,
+    sig: Signal,
+    pool: &PoolRt,
+    seg: &Segment,
+    now_s: u64,
+    enforce: bool,
+) -> Verdict {
     let slot = sig.slot(pool);
     if ps::gate_off(seg, slot) {
         return Verdict::Pass;
@@ -196,6 +212,9 @@ pub fn gate(opts: &RouteOpts, sig: Signal, pool: &PoolRt, seg: &Segment, now_s: 
     let e = ps::ewma(seg, slot, now_s, cfg.ewma.ttl_s);
     if !ewma::hit(sig.dir(), e, Some(thr), false) {
         return Verdict::Pass;
+    }
+    if !enforce {
+        return Verdict::Trip;
     }
     let used = ps::take_probe(seg, slot, now_s, cfg.probe_window_s);
     match sig {

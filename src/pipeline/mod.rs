@@ -652,14 +652,16 @@ async fn proxy(
             if shed.is_some() {
                 break;
             }
+            // With the switch off a gate that would refuse or hand out a probe slot
+            // reports a trip instead, and spends nothing of the probe budget.
             let verdict = match &prio {
                 Some((slot, table, b)) => {
-                    graded_gate(seg, opts, sig, pool, *slot, table, *b, now_s)
+                    graded_gate(seg, opts, sig, pool, *slot, table, *b, now_s, rate_on)
                 }
-                None => latency::gate(opts, sig, pool, seg, now_s),
+                None => latency::gate(opts, sig, pool, seg, now_s, rate_on),
             };
-            if let latency::Verdict::Shed { ewma, threshold } = verdict {
-                if rate_on {
+            match verdict {
+                latency::Verdict::Shed { ewma, threshold } => {
                     rcell(if sig == Signal::Ttft {
                         cells::route::REJECT_TTFT
                     } else {
@@ -675,9 +677,9 @@ async fn proxy(
                         active_level: fig.active_level,
                         avg_5min: latency::cluster_avg(pool, seg, now_s).0,
                     });
-                } else {
-                    latency::count_trip(seg, pool, sig.name());
                 }
+                latency::Verdict::Trip => latency::count_trip(seg, pool, sig.name()),
+                latency::Verdict::Pass | latency::Verdict::Probe => {}
             }
         }
         if let Some((slot, _, b)) = &prio {
@@ -1390,6 +1392,7 @@ fn graded_gate(
     table: &[crate::config::PrioBucket],
     bucket: usize,
     now_s: u64,
+    enforce: bool,
 ) -> latency::Verdict {
     use control::pool_state as ps;
     use control::prio_state::cell;
@@ -1421,6 +1424,15 @@ fn graded_gate(
         Signal::Ttft => sp::ttft_graded(&p, table, &input),
         Signal::Tps => sp::tps_graded(&p, table, &input),
     };
+    // With the master switch off the gate only reports: anything but a pass is a trip,
+    // no probe slot is taken, and turn 1's hold flag is neither set nor released (the
+    // first request after the switch comes back on re-evaluates it).
+    if !enforce {
+        return match g.gate {
+            PrioGate::Pass => latency::Verdict::Pass,
+            _ => latency::Verdict::Trip,
+        };
+    }
     if sig == Signal::Ttft {
         hold_cell.store(g.hold as u64, Relaxed);
     }
