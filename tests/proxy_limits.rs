@@ -358,3 +358,42 @@ fn unknown_routes_and_oversize_bare_requests_are_answered_before_the_body() {
         200
     );
 }
+
+/// A POST to the route with `n` headers in all (`Host`, `Content-Type`, `Content-Length` and
+/// `n - 3` more, the last padded) and a head of `head_len` bytes.
+fn request_with_headers(n: usize, head_len: usize) -> Vec<u8> {
+    let body = chat_body("x", false);
+    let mut head = format!(
+        "POST /r/v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for i in 0..n - 4 {
+        head.push_str(&format!("x-h{i}: v\r\n"));
+    }
+    // The last header fills the head up to `head_len` (with its CRLF and the blank line).
+    let pad = head_len - head.len() - "x-pad: \r\n\r\n".len();
+    head.push_str(&format!("x-pad: {}\r\n\r\n", "p".repeat(pad)));
+    assert_eq!(head.len(), head_len);
+    let mut raw = head.into_bytes();
+    raw.extend_from_slice(body.as_bytes());
+    raw
+}
+
+#[test]
+fn the_mock_takes_the_largest_request_the_router_forwards() {
+    // The router accepts 100 headers and a 64 KiB head (SPEC §14) and adds its forwarding
+    // headers on the way; the bundled mock backend must take what arrives.
+    let m = mock("m0");
+    let env = start(&[("r", route_for(&[m.addr()], ""))], "");
+    let r = request(env.public(), &request_with_headers(100, 64 * 1024 - 1));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-mock-peer"), Some("m0"));
+    let r = request(env.public(), &request_with_headers(100, 2048));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(m.stats().http_requests, 2);
+    // The control: one header more is the router's own 431, which never reaches the mock.
+    let r = request(env.public(), &request_with_headers(101, 2048));
+    assert_eq!(r.status, 431);
+    assert_eq!(r.header("x-mock-peer"), None);
+    assert_eq!(m.stats().http_requests, 2);
+}

@@ -1,9 +1,12 @@
 //! Minimal HTTP/1.1 server-side framing: request heads, request bodies, response heads.
 
-/// Largest accepted request head.
-pub const HEAD_LIMIT: usize = 64 * 1024;
-/// Largest number of request headers.
-pub const MAX_HEADERS: usize = 100;
+/// Largest accepted request head: above the router's 64 KiB client limit (SPEC §14), since
+/// a router in front adds its forwarding headers (`X-Forwarded-*`, `X-Real-IP`, a peer
+/// `Host`, `Content-Length`) to the largest head it accepts.
+pub const HEAD_LIMIT: usize = 80 * 1024;
+/// Largest number of request headers: the router's 100 (SPEC §14) plus the headers it adds
+/// when forwarding, with room to spare.
+pub const MAX_HEADERS: usize = 128;
 /// Largest accepted request body (decoded).
 pub const BODY_LIMIT: usize = 64 * 1024 * 1024;
 const CHUNK_LINE_LIMIT: usize = 4096;

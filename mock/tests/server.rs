@@ -836,7 +836,7 @@ fn malformed_requests_get_400_and_close() {
     // Head too large → 431.
     let mut c = Client::connect(m.addr());
     let mut raw = b"GET / HTTP/1.1\r\nX-Big: ".to_vec();
-    raw.extend(vec![b'a'; 70 * 1024]);
+    raw.extend(vec![b'a'; warmroute_mock::http::HEAD_LIMIT + 1]);
     raw.extend_from_slice(b"\r\n\r\n");
     c.send(&raw);
     assert_eq!(c.response().status, 431);
