@@ -488,6 +488,16 @@ fn with_the_switch_off_every_latency_trip_is_counted_and_no_probe_slot_is_spent(
     assert_eq!(ss["turn1_hold"], false, "{ss}");
     // With the switch back on, the whole probe budget is there: five pass, then 429.
     request(env.public(), &get("/r/_rate_limit_toggle?on=1"));
+    // The probe windows are wall-clock aligned (epoch seconds / 600): keep the six requests
+    // below out of the last seconds of one, where a new window would refill the budget.
+    let into = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        % 600;
+    if into >= 590 {
+        std::thread::sleep(Duration::from_secs(601 - into));
+    }
     let codes: Vec<u16> = (0..6).map(|_| send("r")).collect();
     assert_eq!(codes, [200, 200, 200, 200, 200, 429]);
 }
