@@ -12,7 +12,7 @@ pub mod session_prio;
 
 use std::collections::HashMap;
 use std::rc::Rc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::util::{race, Either};
 use crate::worker::WorkerCtx;
@@ -35,6 +35,43 @@ pub const PEER_SLOT_IDLE_MS: u64 = 10_000;
 pub const PEER_SLOT_BEAT_MS: u64 = 2_000;
 /// How often the lease holder looks for idle peer slots.
 const PEER_SLOT_SWEEP_MS: u64 = 1_000;
+/// A wall clock that moved this much more (or less) than the monotonic clock between two
+/// ticks was stepped, and no peer slot is freed for `CLOCK_STEP_QUIET` after it.
+const CLOCK_STEP_MS: i128 = 1_000;
+const CLOCK_STEP_QUIET: Duration = Duration::from_secs(3);
+
+/// Watches the wall clock against the monotonic one. Peer-slot stamps are wall-clock ms
+/// (every process compares them), so a clock stepped forward would make every slot look
+/// unused until the workers stamp again (each second) and the sweep could free slots live
+/// configurations use. After a step, in either direction, no slot is freed until every
+/// worker has stamped on the new clock.
+struct ClockSteps {
+    wall_ms: u64,
+    mono: Instant,
+    quiet_until: Instant,
+}
+
+impl ClockSteps {
+    fn new(wall_ms: u64, mono: Instant) -> ClockSteps {
+        ClockSteps {
+            wall_ms,
+            mono,
+            quiet_until: mono,
+        }
+    }
+
+    /// Whether slots may be freed at wall `wall_ms`, read at `mono`.
+    fn steady(&mut self, wall_ms: u64, mono: Instant) -> bool {
+        let elapsed = mono.saturating_duration_since(self.mono).as_millis() as i128;
+        let moved = i128::from(wall_ms) - i128::from(self.wall_ms);
+        if (moved - elapsed).abs() > CLOCK_STEP_MS {
+            self.quiet_until = mono + CLOCK_STEP_QUIET;
+        }
+        self.wall_ms = wall_ms;
+        self.mono = mono;
+        mono >= self.quiet_until
+    }
+}
 
 /// The lease-holder loop, started on every worker.
 pub async fn run(ctx: Rc<WorkerCtx>) {
@@ -43,6 +80,7 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
     let mut next_round_ms: HashMap<String, u64> = HashMap::new();
     let mut held = false;
     let mut next_sweep_ms = 0;
+    let mut clock = ClockSteps::new(warmroute_shm::now_ms(), Instant::now());
     loop {
         if let Either::Right(()) = race(monoio::time::sleep(LEASE_TICK), ctx.drain.wait()).await {
             if held {
@@ -51,6 +89,7 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
             return;
         }
         let now = warmroute_shm::now_ms();
+        let steady_clock = clock.steady(now, Instant::now());
         let has = seg.try_lease(holder, now, LEASE_TTL_MS);
         if has != held {
             tracing::info!(
@@ -75,7 +114,7 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
                 "reclaimed worker rows of a dead process, with their in-flight counts"
             );
         }
-        if now >= next_sweep_ms {
+        if steady_clock && now >= next_sweep_ms {
             next_sweep_ms = now + PEER_SLOT_SWEEP_MS;
             // Peers that reloads dropped would otherwise hold their slots for the life of
             // the segment, which takeovers keep, until reloads are refused for want of one.
@@ -100,5 +139,29 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
             }
         }
         next_round_ms.retain(|name, _| snap.route(name).is_some());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stepped_wall_clock_holds_the_peer_slot_sweep_for_a_while() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut c = ClockSteps::new(1_000_000, t0);
+        // Ticks where both clocks move alike (within the step margin): steady.
+        assert!(c.steady(1_000_500, at(500)));
+        assert!(c.steady(1_001_400, at(1_000)));
+        // The wall clock jumps 20 s ahead: held for CLOCK_STEP_QUIET of monotonic time.
+        assert!(!c.steady(1_021_900, at(1_500)));
+        assert!(!c.steady(1_022_400, at(2_000)));
+        assert!(!c.steady(1_024_400, at(4_000)));
+        assert!(c.steady(1_024_900, at(4_500)));
+        // Stepped back: held too (stamps stay ahead of the clock, which is harmless, but a
+        // later forward correction would not be).
+        assert!(!c.steady(1_010_000, at(5_000)));
+        assert!(c.steady(1_013_000, at(8_000)));
     }
 }
