@@ -1680,6 +1680,15 @@ fn reloads_that_replace_peers_free_the_slots_of_the_old_ones() {
     assert!(live_served_by(p.public, "m11"));
 }
 
+/// `warmroute_segment_slots{table="peer",state=<state>}` from `admin`'s `/metrics`.
+fn peer_slots_metric(admin: SocketAddr, state: &str) -> Option<u64> {
+    let want = format!("warmroute_segment_slots{{table=\"peer\",state=\"{state}\"}} ");
+    request(admin, &get("/metrics"))
+        .text()
+        .lines()
+        .find_map(|l| l.strip_prefix(want.as_str())?.trim().parse().ok())
+}
+
 /// SPEC §11, §12: in a takeover, the router being replaced drains on the configuration it
 /// had; the slots of its peers stay while its requests are in flight, even though the new
 /// router's configuration does not have them and frees what it dropped itself, and they
@@ -1714,6 +1723,9 @@ fn a_draining_router_keeps_the_slots_of_its_peers_until_it_is_done() {
         old.child.try_wait().unwrap().is_none(),
         "the old one drains"
     );
+    // /metrics shows the table: the old router's peer and the new router's two.
+    assert_eq!(peer_slots_metric(new.admin, "taken"), Some(3));
+    assert!(peer_slots_metric(new.admin, "capacity").is_some_and(|c| c >= 64));
     std::fs::remove_file(b.0.join("routes/extra.toml")).unwrap();
     new.signal("HUP");
     // The control: the slot the new router dropped is freed...
@@ -1740,4 +1752,9 @@ fn a_draining_router_keeps_the_slots_of_its_peers_until_it_is_done() {
         || status_row(&status_text(&new.shm), &m0_key).is_none(),
     );
     assert!(live_served_by(new.public, "m1"));
+    assert_eq!(
+        peer_slots_metric(new.admin, "taken"),
+        Some(1),
+        "only live//m1 is left"
+    );
 }

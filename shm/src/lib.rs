@@ -960,6 +960,14 @@ impl Segment {
             .ok()
             .map(|_| SlotLock { lock, word })
     }
+    /// How many peer and route slots are taken (in any state but empty or freed): against
+    /// [`Segment::caps`], how close the tables are to full.
+    pub fn slots_taken(&self) -> (u32, u32) {
+        let taken = |k: &KeyRec| !matches!(k.state.load(Ordering::Acquire), EMPTY | FREED);
+        let peers = self.peer_rows().iter().filter(|r| taken(&r.key)).count();
+        let routes = self.route_rows().iter().filter(|r| taken(&r.key)).count();
+        (peers as u32, routes as u32)
+    }
     /// Every ready peer slot with its key, in slot order.
     pub fn peer_keys(&self) -> Vec<(PeerSlot, String)> {
         self.peer_rows()

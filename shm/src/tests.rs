@@ -896,7 +896,14 @@ fn idle_peer_slots_are_freed_and_reset_on_reuse() {
     assert_eq!(s.free_idle_peer_slots(later, 5_000, 1_000), 0);
     // Idle for long enough and nothing in flight: freed.
     s.heartbeat(w, later + 4_000);
+    s.route_slot("route").unwrap();
+    assert_eq!(s.slots_taken(), (1, 1));
     assert_eq!(s.free_idle_peer_slots(later + 4_000, 5_000, 1_000), 1);
+    assert_eq!(
+        s.slots_taken(),
+        (0, 1),
+        "a freed peer slot no longer counts as taken"
+    );
     assert_eq!(s.find_peer_slot("route//10.0.0.1:8000"), None);
     assert!(s.peer_keys().is_empty());
     // A new key that probes from the freed slot takes it, and inherits nothing.
@@ -907,6 +914,7 @@ fn idle_peer_slots_are_freed_and_reset_on_reuse() {
     assert!((0..PEER_CELLS).all(|i| s.peer_cell(new, i).load(Ordering::Relaxed) == 0));
     assert!(s.peer_last_ref_ms(new) >= stamped);
     assert_eq!(s.peer_keys(), vec![(new, key)]);
+    assert_eq!(s.slots_taken(), (1, 1));
 }
 
 #[test]

@@ -66,6 +66,7 @@ const FAMILIES: &[Family] = &[
     worker_busy_poll,
     worker_panics,
     config_generation,
+    segment_slots,
     access_log_dropped,
     log_dropped,
     route_requests,
@@ -539,6 +540,26 @@ fn config_generation(x: &mut Exposition, s: &Sources) {
         "Configuration generation in effect; increases by one on every successful reload.",
     )
     .sample(&Labels::none(), s.snap.generation);
+}
+
+/// How full the shared segment's slot tables are: peer slots of peers no configuration uses
+/// any more are freed after a while, route slots never are, and a reload that finds no free
+/// slot is refused.
+fn segment_slots(x: &mut Exposition, s: &Sources) {
+    let (peers, routes) = s.seg.slots_taken();
+    let caps = s.seg.caps();
+    let mut f = x.family(
+        "warmroute_segment_slots",
+        Kind::Gauge,
+        "Slots of the shared segment's peer and route tables: taken, and the capacity fixed when the segment was created.",
+    );
+    for (table, taken, cap) in [("peer", peers, caps.peers), ("route", routes, caps.routes)] {
+        f.sample(&Labels::new(&[("table", table), ("state", "taken")]), taken);
+        f.sample(
+            &Labels::new(&[("table", table), ("state", "capacity")]),
+            cap,
+        );
+    }
 }
 
 /// The access log's buffer is per worker and not in the segment: only the worker answering
