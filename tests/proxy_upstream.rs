@@ -157,6 +157,39 @@ fn pooled_connections_are_reused() {
 }
 
 #[test]
+fn an_idle_pooled_connection_is_closed_before_the_engines_five_seconds() {
+    // Engines' HTTP servers (uvicorn for vLLM and SGLang, llama.cpp's) close a connection
+    // idle for 5 s; the router's default (4 s) lets go of it first. The control keeps it
+    // for 60 s and reuses it after the same pause.
+    let resp = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec();
+    let setups = ["", "upstream_idle_timeout_ms = 60000\n"].map(|extra| {
+        let b = raw_backend(vec![resp.clone()], usize::MAX);
+        let env = start(&[("r", route_for(&[b.addr], ""))], extra);
+        let c = connect(env.public());
+        (b, env, BufReader::new(c.try_clone().unwrap()), c)
+    });
+    let mut setups = setups;
+    let round = |setups: &mut [(_, _, BufReader<std::net::TcpStream>, std::net::TcpStream)]| {
+        for (_, _, r, c) in setups.iter_mut() {
+            c.write_all(&get("/r/x")).unwrap();
+            assert_eq!(read_response(r, false).unwrap().status, 200);
+        }
+    };
+    round(&mut setups);
+    std::thread::sleep(Duration::from_millis(4_600));
+    round(&mut setups);
+    let accepted = setups
+        .iter()
+        .map(|(b, ..)| b.accepted.load(std::sync::atomic::Ordering::SeqCst))
+        .collect::<Vec<_>>();
+    assert_eq!(
+        accepted,
+        [2, 1],
+        "default: a fresh connection; 60 s: the pooled one"
+    );
+}
+
+#[test]
 fn every_response_framing_is_relayed() {
     let cases: Vec<(&str, &[u8], &[u8], &str)> = vec![
         ("GET", b"HTTP/1.1 204 No Content\r\nX-A: 1\r\n\r\n", b"", "204"),

@@ -48,7 +48,10 @@ pub struct ServerConfig {
     pub client_idle_timeout_ms: u64,
     /// Time allowed to receive a complete request head.
     pub client_head_timeout_ms: u64,
-    /// Lifetime of an idle pooled upstream connection.
+    /// Lifetime of an idle pooled upstream connection. The default, 4 s, is under the 5 s
+    /// the engines' HTTP servers keep an idle connection (uvicorn for vLLM and SGLang,
+    /// llama.cpp's server): the router closes first, instead of sending a request into a
+    /// connection the engine is closing and paying a round trip to retry it.
     pub upstream_idle_timeout_ms: u64,
     /// Most idle pooled connections per peer per worker. Large enough by default to keep
     /// every connection a busy worker had open to a peer: a pool smaller than the
@@ -98,7 +101,7 @@ impl Default for ServerConfig {
             drain_timeout_s: 300,
             client_idle_timeout_ms: 75_000,
             client_head_timeout_ms: 30_000,
-            upstream_idle_timeout_ms: 60_000,
+            upstream_idle_timeout_ms: 4_000,
             upstream_idle_per_peer: 1024,
             busy_poll: BusyPoll::Auto,
             defaults: ServerDefaults::default(),

@@ -79,7 +79,7 @@ fn defaults_with_no_files() {
     assert_eq!(s.drain_timeout_s, 300);
     assert_eq!(s.client_idle_timeout_ms, 75_000);
     assert_eq!(s.client_head_timeout_ms, 30_000);
-    assert_eq!(s.upstream_idle_timeout_ms, 60_000);
+    assert_eq!(s.upstream_idle_timeout_ms, 4_000);
     assert_eq!(s.upstream_idle_per_peer, 1024);
     assert_eq!(s.busy_poll, BusyPoll::Auto);
     assert_eq!(s.defaults, ServerDefaults::default());
