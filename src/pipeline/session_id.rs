@@ -470,10 +470,12 @@ pub(super) fn decimal_form(text: &str) -> String {
         return text.to_string();
     };
     // Length of the plain form: digits and zeros, plus "0." before a fraction below 1.
-    let plain_len = match exp {
-        e if e >= 0 => n.checked_add(e),
-        e if -e < n => Some(n + 1),
-        e => e.checked_neg().and_then(|z| z.checked_add(2)),
+    // (`exp` may be i64::MIN, whose negation overflows: such a value takes the d.ddde form.)
+    let plain_len = match exp.checked_neg() {
+        _ if exp >= 0 => n.checked_add(exp),
+        Some(z) if z < n => Some(n + 1),
+        Some(z) => z.checked_add(2),
+        None => None,
     };
     let mut out = String::new();
     if neg {
@@ -1099,6 +1101,36 @@ mod tests {
         assert!(tiny.starts_with("0.000") && tiny.ends_with("01"));
         assert_eq!(decimal_form("1e-4095"), "1e-4095");
         assert_eq!(decimal_form("0.1e-4094"), "1e-4095");
+        // Exponents at the ends of i64, where a negation or a sum overflows: no panic
+        // (client bytes), one form per value or the text as sent.
+        assert_eq!(
+            decimal_form("1e-9223372036854775808"),
+            "1e-9223372036854775808"
+        );
+        assert_eq!(
+            decimal_form("-25e-9223372036854775807"),
+            "-2.5e-9223372036854775806"
+        );
+        for text in [
+            "1e9223372036854775807",
+            "99e9223372036854775807",
+            "1.5e-9223372036854775808",
+            "0.001e-9223372036854775806",
+            "100e-9223372036854775808",
+            "-1e-9223372036854775809",
+            "1.000e9223372036854775807",
+        ] {
+            let out = decimal_form(text);
+            assert!(!out.is_empty() && out.len() <= 64, "{text} -> {out}");
+        }
+        // Through the body, as a client sends it.
+        for body in [
+            r#"{"user":1e-9223372036854775808}"#,
+            r#"{"metadata":{"session_id":-1e-9223372036854775808}}"#,
+            r#"{"metadata":{"user_id":1.5e-9223372036854775808}}"#,
+        ] {
+            assert!(sid(&[], body).0.is_some(), "{body}");
+        }
     }
 
     #[test]
