@@ -235,10 +235,12 @@ const LEASE_CLAIM_STALE_MS: u64 = 5_000;
 /// A slot stuck in `WRITING` longer than this is treated as abandoned.
 const SLOT_WRITE_STALE: Duration = Duration::from_secs(2);
 /// The peer slot-table lock is taken over from a holder that is dead and has held it this
-/// long (seconds), or from any holder after `SLOT_LOCK_STALE_S` (a holder in another pid
-/// namespace looks dead; no insert or free round takes anywhere near this long).
-const SLOT_LOCK_DEAD_S: u64 = 1;
-const SLOT_LOCK_STALE_S: u64 = 10;
+/// long (ms), or from any holder after `SLOT_LOCK_STALE_MS` (a holder in another pid
+/// namespace looks dead; no insert or free round takes anywhere near this long). The lock
+/// word keeps the low 32 bits of the wall clock in ms: ages up to 24 days read right, and a
+/// clock stepped back (a negative age) makes no live holder stale.
+const SLOT_LOCK_DEAD_MS: i64 = 1_000;
+const SLOT_LOCK_STALE_MS: i64 = 10_000;
 
 /// Marker for types that may be viewed in the mapping.
 ///
@@ -874,8 +876,9 @@ impl Segment {
     }
 
     /// Free every peer slot that nobody has stamped for `idle_ms` before `now_ms` and that
-    /// has no request in flight in any owned worker row; returns how many. Freed slots are
-    /// no longer found by their key and are reused (reset) by later inserts.
+    /// has no request in flight in any owned worker row, and every slot an inserter died
+    /// before publishing (`ABANDONED`); returns how many. Freed slots are no longer found by
+    /// their key and are reused (reset) by later inserts.
     ///
     /// Nothing is freed while any owned worker row has gone `beat_ms` without a heartbeat:
     /// a stalled or stopped process stamps nothing either, and its slots must not look idle
@@ -903,8 +906,22 @@ impl Segment {
         }
         let mut n = 0;
         for (i, row) in self.peer_rows().iter().enumerate() {
-            if row.key.state.load(Ordering::Acquire) != READY {
-                continue;
+            match row.key.state.load(Ordering::Acquire) {
+                READY => {}
+                // An insert whose process died before publishing it: nobody ever got the
+                // slot, and it would otherwise stay taken for the life of the segment.
+                ABANDONED => {
+                    if row
+                        .key
+                        .state
+                        .compare_exchange(ABANDONED, FREED, Ordering::AcqRel, Ordering::Relaxed)
+                        .is_ok()
+                    {
+                        n += 1;
+                    }
+                    continue;
+                }
+                _ => continue,
             }
             let idle = now_ms.saturating_sub(row.last_ref_ms.load(Ordering::Relaxed));
             let p = PeerSlot(i as u32);
@@ -944,14 +961,19 @@ impl Segment {
 
     fn try_lock_peer_slots(&self) -> Option<SlotLock<'_>> {
         let lock = &self.header().peer_slot_lock;
-        let now_s = now_ms() / 1000;
-        let word = (u64::from(std::process::id()) << 32) | (now_s & 0xffff_ffff);
+        let now = now_ms();
+        let word = (u64::from(std::process::id()) << 32) | (now & 0xffff_ffff);
         let cur = lock.load(Ordering::Acquire);
         if cur != 0 {
-            let age = (now_s as u32).wrapping_sub(cur as u32);
-            let age = u64::from(age);
-            let stale = age >= SLOT_LOCK_STALE_S
-                || (age >= SLOT_LOCK_DEAD_S && !pid_alive((cur >> 32) as u32));
+            let age = i64::from((now as u32).wrapping_sub(cur as u32) as i32);
+            let dead = || !pid_alive((cur >> 32) as u32);
+            let stale = if age < 0 {
+                // Taken "in the future": the clock went back since. Only a dead holder
+                // loses it (a live one gives it back within microseconds).
+                dead()
+            } else {
+                age >= SLOT_LOCK_STALE_MS || (age >= SLOT_LOCK_DEAD_MS && dead())
+            };
             if !stale {
                 return None;
             }

@@ -322,6 +322,16 @@ fn abandoned_slot_write_is_skipped() {
     assert_eq!(rec.state.load(Ordering::Acquire), ABANDONED);
     assert_eq!(s.find_peer_slot(key), Some(p));
     assert_eq!(s.peer_keys(), vec![(p, key.to_string())]);
+    // The abandoned slot counts as taken until a free round turns it into a freed one,
+    // which the next insert probing from there reuses; the live key is untouched.
+    assert_eq!(s.slots_taken().0, 2);
+    let now = s.peer_last_ref_ms(p);
+    assert_eq!(s.free_idle_peer_slots(now, 5_000, 1_000), 1);
+    assert_eq!(rec.state.load(Ordering::Acquire), FREED);
+    assert_eq!(s.slots_taken().0, 1);
+    assert_eq!(s.find_peer_slot(key), Some(p));
+    let other = key_starting_at("other", start as u32);
+    assert_eq!(s.peer_slot(&other).map(|q| q.0 as usize), Some(start));
 }
 
 #[test]
@@ -986,8 +996,8 @@ fn the_peer_slot_lock_is_taken_from_a_dead_or_stuck_holder() {
     let t = TempPath::new("slotlock");
     let s = Segment::open_or_create(&t.0, small()).unwrap();
     let lock = &s.header().peer_slot_lock;
-    let now_s = now_ms() / 1000;
-    let word = |pid: u32, at_s: u64| (u64::from(pid) << 32) | (at_s & 0xffff_ffff);
+    let now = now_ms();
+    let word = |pid: u32, at_ms: u64| (u64::from(pid) << 32) | (at_ms & 0xffff_ffff);
     let p = s.peer_slot("p").unwrap();
     assert_eq!(
         lock.load(Ordering::Acquire),
@@ -996,19 +1006,32 @@ fn the_peer_slot_lock_is_taken_from_a_dead_or_stuck_holder() {
     );
     let later = s.peer_last_ref_ms(p) + 60_000;
     // Held by a live process just now: a free round skips.
-    lock.store(word(me(), now_s), Ordering::Release);
+    lock.store(word(me(), now), Ordering::Release);
     assert!(s.try_lock_peer_slots().is_none());
+    // Held by a live process for 999 ms, or taken "later" than now (the clock went back):
+    // still held.
+    lock.store(word(me(), now - 999), Ordering::Release);
+    assert!(s.try_lock_peer_slots().is_none());
+    lock.store(word(me(), now + 30_000), Ordering::Release);
+    assert!(s.try_lock_peer_slots().is_none());
+    // A dead holder loses it even then, and after 1 s in any case (ms, not whole seconds:
+    // 1.001 s is not "2 s" and 0.999 s is not "1 s").
+    lock.store(word(dead_pid(), now + 30_000), Ordering::Release);
+    assert!(s.try_lock_peer_slots().is_some());
+    lock.store(word(dead_pid(), now - 500), Ordering::Release);
+    assert!(s.try_lock_peer_slots().is_none());
+    lock.store(word(me(), now), Ordering::Release);
     assert_eq!(s.free_idle_peer_slots(later, 5_000, 1_000), 0);
     // Held by a process that died a while ago: taken over, and given back after use.
-    lock.store(word(dead_pid(), now_s - 5), Ordering::Release);
+    lock.store(word(dead_pid(), now - 5_000), Ordering::Release);
     let q = s.peer_slot("q").unwrap();
     assert_eq!(lock.load(Ordering::Acquire), 0);
     s.touch_peer(q, later);
-    lock.store(word(dead_pid(), now_s - 5), Ordering::Release);
+    lock.store(word(dead_pid(), now - 5_000), Ordering::Release);
     assert_eq!(s.free_idle_peer_slots(later, 5_000, 1_000), 1, "p, not q");
     assert_eq!(lock.load(Ordering::Acquire), 0);
     // Held by a live process for implausibly long: taken over too.
-    lock.store(word(me(), now_s - 60), Ordering::Release);
+    lock.store(word(me(), now - 60_000), Ordering::Release);
     assert!(s.try_lock_peer_slots().is_some());
     assert_eq!(lock.load(Ordering::Acquire), 0);
 }
