@@ -1208,6 +1208,17 @@ impl UsageFrameFilter {
             }
             return;
         }
+        if self.line_start == 0 && self.held.first() == Some(&b':') {
+            // A comment at the head of an event (a keep-alive while the engine prefills):
+            // it is no part of any event's data, so it goes out now instead of waiting for
+            // the event it precedes, and the event is judged without it.
+            out.extend_from_slice(&self.held);
+            self.held.clear();
+            if b == b'\r' {
+                self.after_cr = Some(Dest::Out);
+            }
+            return;
+        }
         let line = &self.held[self.line_start..self.line_start + line_len];
         let mut keep = true;
         match data_value(line) {
@@ -1940,21 +1951,44 @@ mod tests {
     }
 
     #[test]
+    fn a_keep_alive_comment_passes_at_once() {
+        // An SSE comment before the next event (a keep-alive while the engine prefills) is
+        // not held back until that event comes: the client's idle timer sees it now.
+        for eol in ["\n", "\r\n"] {
+            let mut f = UsageFrameFilter::new();
+            let mut out = Vec::new();
+            let first = [CONTENT1, ": keep-alive\n"].concat().replace('\n', eol);
+            f.feed(first.as_bytes(), &mut out);
+            assert_eq!(String::from_utf8_lossy(&out), first);
+            // The control: the usage frame that follows is still removed.
+            let rest = [USAGE, DONE].concat().replace('\n', eol);
+            f.feed(rest.as_bytes(), &mut out);
+            f.finish(&mut out);
+            assert_eq!(
+                String::from_utf8_lossy(&out),
+                [first, DONE.replace('\n', eol)].concat()
+            );
+            assert_eq!(f.removed(), 1);
+        }
+    }
+
+    #[test]
     fn a_usage_frame_with_other_fields_is_found_and_removed_whole() {
         // SSE: an event's `event:`, `id:`, `retry:` and comment lines may come before or
         // after its data lines; the data decides, and the whole event goes.
+        // A comment at the head of the frame goes out at once, the rest of the frame goes.
         let frames = [
-            format!("event: message\n{USAGE}"),
-            format!("event: usage\nid: 42\n{USAGE}"),
-            format!(": usage follows\n{USAGE}"),
-            "id: 9\nretry: 3000\ndata: {\"choices\":[],\ndata: \"usage\":{\"prompt_tokens\":30,\"completion_tokens\":5,\"prompt_tokens_details\":{\"cached_tokens\":16}}}\nid: 10\n\n".to_string(),
+            (format!("event: message\n{USAGE}"), ""),
+            (format!("event: usage\nid: 42\n{USAGE}"), ""),
+            (format!(": usage follows\n{USAGE}"), ": usage follows\n"),
+            ("id: 9\nretry: 3000\ndata: {\"choices\":[],\ndata: \"usage\":{\"prompt_tokens\":30,\"completion_tokens\":5,\"prompt_tokens_details\":{\"cached_tokens\":16}}}\nid: 10\n\n".to_string(), ""),
         ];
-        for frame in &frames {
+        for (frame, kept) in &frames {
             for eol in ["\n", "\r\n", "\r"] {
                 let stream = [CONTENT1, CONTENT2, frame, DONE]
                     .concat()
                     .replace('\n', eol);
-                let want = [CONTENT1, CONTENT2, DONE].concat().replace('\n', eol);
+                let want = [CONTENT1, CONTENT2, kept, DONE].concat().replace('\n', eol);
                 let b = stream.as_bytes();
                 for i in 0..=b.len() {
                     let (out, f) = filter_all(&[&b[..i], &b[i..]]);
