@@ -350,13 +350,15 @@ fn refused_requests_reach_the_body_log_with_the_routers_answer() {
         "[peers_by_model]\n\"llama\" = [ {{ host = \"127.0.0.1\", port = {}, name = \"a\" }} ]\n",
         m2.addr().port()
     );
-    let env = start(
+    let access = shm_path("refused-access");
+    let env = start_logging(
         &[
             ("r", limited),
             ("pm", by_model),
             ("bad", route_for(&[bad.addr], "max_more_tries = 0\n")),
         ],
         &format!("[bodylog]\nlistener = \"{port}\"\n"),
+        warmroute::worker::AccessLogTarget::File(access.clone()),
     );
     let body = |tag: &str, turns: usize| {
         let msgs: Vec<Value> = (0..turns)
@@ -439,9 +441,62 @@ fn refused_requests_reach_the_body_log_with_the_routers_answer() {
         assert_eq!(r["peer_name"].as_str(), peer, "{r}");
         assert_eq!(r.get("mode").is_some(), peer.is_some(), "{r}");
     }
-    // The 429 came after the session id was read: the record names it.
-    assert_eq!(find(&over)["session_id"], "s-/r/v1/chat/completions");
+    // Every refusal after the body was read names the session the request carried, in its
+    // record and in its access line: a rule's and the pool's refusals too (they come before
+    // the gates, but the id is read before them).
+    for (req, path) in [
+        (&ruled, "/r/v1/chat/completions"),
+        (&over, "/r/v1/chat/completions"),
+        (&unknown, "/pm/v1/chat/completions"),
+        (&unanswered, "/bad/v1/chat/completions"),
+    ] {
+        let sid = format!("s-{path}");
+        assert_eq!(find(req)["session_id"], sid.as_str(), "{req}");
+    }
+    // The control: a request with no id has none in its record.
+    let anonymous = body("anonymous", 3);
+    let r = request(
+        env.public(),
+        &post_json("/r/v1/chat/completions", &anonymous, ""),
+    );
+    assert_eq!(r.status, 422);
+    eventually(Duration::from_secs(20), "the 7th record", || {
+        records(&dir).len() == 7
+    });
+    let recs = records(&dir);
+    let rec = recs
+        .iter()
+        .find(|r| r["req_body"].as_str() == Some(&*anonymous))
+        .unwrap();
+    assert!(rec.get("session_id").is_none_or(Value::is_null), "{rec}");
+    eventually(Duration::from_secs(10), "the access lines", || {
+        access_lines(&access).len() == 7
+    });
+    let lines = access_lines(&access);
+    let mut refused: Vec<(u64, &str, &str)> = lines
+        .iter()
+        .filter(|l| matches!(l["status"].as_u64(), Some(400 | 422)))
+        .map(|l| {
+            (
+                l["status"].as_u64().unwrap(),
+                l["session"].as_str().unwrap(),
+                l["source"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    refused.sort();
+    let header = "header:x-session-id";
+    assert_eq!(
+        refused,
+        [
+            (400, "s-/pm/v1/chat/completions", header),
+            (422, "-", "none"),
+            (422, "s-/r/v1/chat/completions", header),
+        ],
+        "{lines:?}"
+    );
     l.stop();
     drop(env);
     let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(&access);
 }

@@ -439,7 +439,7 @@ fn model_list(models: &[String]) -> Vec<u8> {
     serde_json::to_vec(&json!({"object": "list", "data": data})).unwrap_or_default()
 }
 
-/// Proxy one request: prepare → local answers → pool → session id → gates → select →
+/// Proxy one request: prepare → local answers → session id → rules → pool → gates → select →
 /// forward with retries → relay → account.
 async fn proxy(
     ctx: &Rc<WorkerCtx>,
@@ -524,7 +524,27 @@ async fn proxy(
         return conn.write_all_bytes(out).await.is_ok() && keep;
     }
 
-    // 3. Reject rules, on the client's original body (a client's GET /v1/models is exempt).
+    // 3. Session id: read before the rules and the pool, so that the access line and the
+    //    body-log record of every refusal from here on name the session.
+    let sid_opts = SidOptions {
+        session_affinity: opts.session_affinity,
+        body_user_affinity: opts.body_user_affinity,
+    };
+    let (sid, source) = session_id::extract(&head.headers, p.fields.as_ref(), &sid_opts);
+    let refused_log = || Refused {
+        route: Some(route),
+        owner: p.owner.as_deref(),
+        req_bytes,
+        session: session_id::header_value(sid.as_ref().map(|s| &*s.id)),
+        source: source.label(),
+        logged: Some(LoggedRequest::read(
+            &p.body,
+            p.fields.as_ref(),
+            sid.as_ref().map(|s| &*s.id),
+        )),
+    };
+
+    // 4. Reject rules, on the client's original body (a client's GET /v1/models is exempt).
     if upstream_path != "/v1/models"
         && !opts.reject_rules_compiled.is_empty()
         && cells::toggle(
@@ -546,42 +566,18 @@ async fn proxy(
                 message: hit.rule.message_or_default().into_owned(),
                 status: hit.rule.status.unwrap_or(opts.reject_rules_status),
             };
-            let log = Refused::early(Some(route), p.owner.as_deref(), req_bytes)
-                .logged(LoggedRequest::read(&p.body, p.fields.as_ref(), None));
-            return refuse_logged(ctx, conn, head, &e, keep_client(), log, started).await;
+            return refuse_logged(ctx, conn, head, &e, keep_client(), refused_log(), started).await;
         }
     }
 
-    // 4. The pool (400 for a model no sub-pool serves).
+    // 5. The pool (400 for a model no sub-pool serves).
     let Some(pool) = route.pool_for(model) else {
         rcell(cells::route::MODEL_NOT_SUPPORTED).fetch_add(1, Relaxed);
         let e = ProxyError::ModelNotSupported {
             model: model.map(String::from),
             supported: route.models_sorted.clone(),
         };
-        let log = Refused::early(Some(route), p.owner.as_deref(), req_bytes)
-            .logged(LoggedRequest::read(&p.body, p.fields.as_ref(), None));
-        return refuse_logged(ctx, conn, head, &e, keep_client(), log, started).await;
-    };
-
-    // 5. Session id.
-    let sid_opts = SidOptions {
-        session_affinity: opts.session_affinity,
-        body_user_affinity: opts.body_user_affinity,
-    };
-    let (sid, source) = session_id::extract(&head.headers, p.fields.as_ref(), &sid_opts);
-    // The access line of a request refused from here on names its session.
-    let refused_log = || Refused {
-        route: Some(route),
-        owner: p.owner.as_deref(),
-        req_bytes,
-        session: session_id::header_value(sid.as_ref().map(|s| &*s.id)),
-        source: source.label(),
-        logged: Some(LoggedRequest::read(
-            &p.body,
-            p.fields.as_ref(),
-            sid.as_ref().map(|s| &*s.id),
-        )),
+        return refuse_logged(ctx, conn, head, &e, keep_client(), refused_log(), started).await;
     };
 
     // 6. Loads, then the 503 gate and the load gates — concurrency (static or adaptive
@@ -1795,12 +1791,6 @@ impl<'a> Refused<'a> {
             source: Cow::Borrowed("none"),
             logged: None,
         }
-    }
-
-    /// With a body-log record of the refusal (when the route's body log samples it).
-    fn logged(mut self, req: LoggedRequest<'a>) -> Self {
-        self.logged = Some(req);
-        self
     }
 
     fn write(
