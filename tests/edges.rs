@@ -164,6 +164,20 @@ fn reject_rules_reject_with_their_status_and_count_hits() {
         true
     );
     assert_eq!(chat(&env, "r", cases[1].0.clone()).status, 422);
+    // The status line carries the registered reason of a rule's own status (it read
+    // "Unknown" for any code outside the router's built-in answers).
+    for (body, line) in [
+        (&cases[1].0, "HTTP/1.1 422 Unprocessable Content"),
+        (&cases[4].0, "HTTP/1.1 403 Forbidden"),
+    ] {
+        use std::io::{BufRead, Write};
+        let mut s = std::net::TcpStream::connect(env.public()).unwrap();
+        s.write_all(&post_json("/r/v1/chat/completions", &body.to_string(), ""))
+            .unwrap();
+        let mut first = String::new();
+        std::io::BufReader::new(s).read_line(&mut first).unwrap();
+        assert_eq!(first.trim_end(), line);
+    }
 }
 
 #[test]

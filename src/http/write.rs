@@ -63,29 +63,68 @@ pub fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
     out.extend_from_slice(&digits[at..]);
 }
 
-/// Reason phrase for the statuses the router itself produces.
+/// Reason phrase of `status`: the IANA registry's for every registered code (a reject rule
+/// may answer with any 4xx or 5xx, and a peer may send a bare status line), empty for an
+/// unregistered one (RFC 9112 §4: the reason phrase is optional; the line is then
+/// `HTTP/1.1 599 `).
 pub fn status_reason(status: u16) -> &'static str {
     match status {
         100 => "Continue",
+        101 => "Switching Protocols",
+        103 => "Early Hints",
         200 => "OK",
+        201 => "Created",
+        202 => "Accepted",
+        203 => "Non-Authoritative Information",
         204 => "No Content",
+        205 => "Reset Content",
+        206 => "Partial Content",
+        300 => "Multiple Choices",
+        301 => "Moved Permanently",
+        302 => "Found",
+        303 => "See Other",
+        304 => "Not Modified",
+        307 => "Temporary Redirect",
+        308 => "Permanent Redirect",
         400 => "Bad Request",
         401 => "Unauthorized",
+        402 => "Payment Required",
         403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
+        406 => "Not Acceptable",
+        407 => "Proxy Authentication Required",
         408 => "Request Timeout",
+        409 => "Conflict",
+        410 => "Gone",
         411 => "Length Required",
+        412 => "Precondition Failed",
         413 => "Payload Too Large",
+        414 => "URI Too Long",
+        415 => "Unsupported Media Type",
+        416 => "Range Not Satisfiable",
         417 => "Expectation Failed",
+        421 => "Misdirected Request",
+        422 => "Unprocessable Content",
+        423 => "Locked",
+        424 => "Failed Dependency",
+        425 => "Too Early",
+        426 => "Upgrade Required",
+        428 => "Precondition Required",
         429 => "Too Many Requests",
         431 => "Request Header Fields Too Large",
+        451 => "Unavailable For Legal Reasons",
         500 => "Internal Server Error",
         501 => "Not Implemented",
         502 => "Bad Gateway",
         503 => "Service Unavailable",
         504 => "Gateway Timeout",
-        _ => "Unknown",
+        505 => "HTTP Version Not Supported",
+        506 => "Variant Also Negotiates",
+        507 => "Insufficient Storage",
+        508 => "Loop Detected",
+        511 => "Network Authentication Required",
+        _ => "",
     }
 }
 
@@ -192,6 +231,10 @@ mod tests {
         write_header(&mut v, b"X-A", b"1");
         assert_eq!(v, b"X-A: 1\r\n");
         assert_eq!(status_reason(431), "Request Header Fields Too Large");
+        // A reject rule's own status has its phrase; an unregistered code has none.
+        assert_eq!(status_reason(422), "Unprocessable Content");
+        assert_eq!(status_reason(451), "Unavailable For Legal Reasons");
+        assert_eq!(status_reason(599), "");
     }
 
     #[test]
