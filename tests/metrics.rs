@@ -444,9 +444,11 @@ fn requests_refused_before_a_peer_get_their_access_line_too() {
             row(200, "alice", "s-1"),
             row(200, "alice", "s-1"),
             row(401, "-", "-"),
+            // The body was too large to be read: no session id.
             row(413, "alice", "-"),
-            row(422, "alice", "-"),
-            // Shed after the session id was read: the line names the session.
+            // Refused by a rule, and shed by a gate, after the session id was read: the
+            // line names the session.
+            row(422, "alice", "s-1"),
             row(429, "alice", "s-1"),
         ]
     );
