@@ -171,7 +171,7 @@ fn reject_rules_reject_with_their_status_and_count_hits() {
         (&cases[4].0, "HTTP/1.1 403 Forbidden"),
     ] {
         use std::io::{BufRead, Write};
-        let mut s = std::net::TcpStream::connect(env.public()).unwrap();
+        let mut s = connect(env.public());
         s.write_all(&post_json("/r/v1/chat/completions", &body.to_string(), ""))
             .unwrap();
         let mut first = String::new();
