@@ -160,12 +160,7 @@ pub fn set_toggle(
 
 /// Segment key of the slot that counts hits of one reject rule of a route.
 pub fn rule_slot_key(route: &str, rule: &str) -> String {
-    let k = format!("{route}#rule:{rule}");
-    if k.len() <= 119 {
-        k
-    } else {
-        format!("{route}#rule:{:08x}", crc32fast::hash(k.as_bytes()))
-    }
+    crate::snapshot::shorten_key(format!("{route}#rule:{rule}"))
 }
 
 pub use std::sync::atomic::Ordering::Relaxed;

@@ -106,9 +106,9 @@ impl std::fmt::Display for StartError {
 
 /// The segment's fixed capacity. Route slots hold more than routes: each pool of a route
 /// has three (TTFT and decode-rate windows, control) and each reject rule one hit counter,
-/// so they are sized well past the 1024-route limit (route slots are never freed); peers
-/// likewise past 1024 per route across a few large routes, with room for reloads (the
-/// slots of peers no configuration uses any more are freed: `control::PEER_SLOT_IDLE_MS`).
+/// so they are sized well past the 1024-route limit; peers likewise past 1024 per route
+/// across a few large routes. Both leave room for reloads: the slots no configuration uses
+/// any more are freed (`control::SLOT_IDLE_MS`).
 /// Worker rows hold this router's workers and, during a takeover, those of the router it
 /// replaces: twice the worker count or the CPU count, whichever is larger, in steps of 64
 /// (so a small change of the count keeps the layout), 64 at least. The CPU count, because a

@@ -106,11 +106,28 @@ pub struct RouteRt {
     /// Responses by status class (`cells::status`): a slot of its own, keyed
     /// `<route>#status`.
     pub status_slot: RouteSlot,
+    /// The hit counter of each reject rule, by the rule's index (`cells::rule_slot_key`);
+    /// `None` when the segment had no free slot (the hits then go uncounted).
+    pub rule_slots: Vec<Option<RouteSlot>>,
 }
 
 impl RouteRt {
     pub fn name(&self) -> &str {
         &self.cfg.name
+    }
+
+    /// Every route slot this route's requests and tasks write: its own, its status, turn
+    /// priority and rule rows, and its pools' state rows. What the worker stamps as in use
+    /// (`WorkerCtx::touch_slots`).
+    pub fn route_slots(&self) -> impl Iterator<Item = RouteSlot> + '_ {
+        [self.slot, self.status_slot, self.prio_slot]
+            .into_iter()
+            .chain(self.rule_slots.iter().flatten().copied())
+            .chain(
+                self.pools
+                    .iter()
+                    .flat_map(|p| [p.slots.ttft, p.slots.tps, p.slots.ctl]),
+            )
     }
 
     /// The pool for a request: the flat pool, or the `peers_by_model` pool of `model`.
@@ -251,6 +268,21 @@ impl Snapshot {
                         rc.name
                     )
                 })?,
+                // Resolved here, not at the first hit: inserting takes the slot table's
+                // lock, which the data path never does.
+                rule_slots: rc
+                    .opts
+                    .reject_rules_compiled
+                    .rules
+                    .iter()
+                    .map(|r| {
+                        let slot = seg.route_slot(&crate::cells::rule_slot_key(&rc.name, &r.name));
+                        if slot.is_none() {
+                            tracing::warn!(route = %rc.name, rule = %r.name, "shared segment has no free row for this rule's hit counter");
+                        }
+                        slot
+                    })
+                    .collect(),
             }));
         }
         let mut names: Vec<String> = routes

@@ -1682,11 +1682,151 @@ fn reloads_that_replace_peers_free_the_slots_of_the_old_ones() {
 
 /// `warmroute_segment_slots{table="peer",state=<state>}` from `admin`'s `/metrics`.
 fn peer_slots_metric(admin: SocketAddr, state: &str) -> Option<u64> {
-    let want = format!("warmroute_segment_slots{{table=\"peer\",state=\"{state}\"}} ");
+    slots_metric(admin, "peer", state)
+}
+
+/// `warmroute_segment_slots{table=<table>,state=<state>}` from `admin`'s `/metrics`.
+fn slots_metric(admin: SocketAddr, table: &str, state: &str) -> Option<u64> {
+    let want = format!("warmroute_segment_slots{{table=\"{table}\",state=\"{state}\"}} ");
     request(admin, &get("/metrics"))
         .text()
         .lines()
         .find_map(|l| l.strip_prefix(want.as_str())?.trim().parse().ok())
+}
+
+/// The route files of one generation for the route-slot test: `ROUTES_PER_GEN` routes named
+/// `g<generation>-r<i>` on `peer`, each with `RULES_PER_ROUTE` reject rules (rule `rule<k>`
+/// refuses `metadata.tenant = "t<k>"`). Each route takes 6 route slots (its own, status,
+/// turn priority, and its pool's TTFT, decode-rate and control rows) and one per rule.
+fn renamed_routes(routes: &Path, generation: u32, peer: SocketAddr) {
+    let mut rules = String::from(
+        "health_check_interval = 3600\nreject_rules_enabled = true\nreject_rules_status = 422\n",
+    );
+    for k in 0..RULES_PER_ROUTE {
+        rules.push_str(&format!(
+            "\n[[reject_rules]]\nname = \"rule{k}\"\nfield = \"metadata.tenant\"\nop = \"eq\"\nvalue = \"t{k}\"\n"
+        ));
+    }
+    let text = route_for(&[peer], &rules);
+    for i in 0..ROUTES_PER_GEN {
+        write_whole(&routes.join(format!("g{generation}-r{i}.toml")), &text);
+    }
+}
+const ROUTES_PER_GEN: u32 = 25;
+const RULES_PER_ROUTE: u32 = 74;
+
+/// SPEC §11, §12: the route slots of routes (and their pools and reject rules) that no
+/// configuration uses any more are freed once nothing uses them, as peer slots are: a
+/// router whose routes are renamed by each reload (2,000 route slots each, for 8,192)
+/// keeps reloading instead of refusing every reload from the fourth on. The configuration
+/// a request in flight started on keeps its slots until the request ends; a reused slot's
+/// rule counter starts from nothing.
+#[test]
+fn reloads_that_rename_routes_free_the_slots_of_the_old_ones() {
+    let d = temp_dir("route-slots");
+    let routes = d.0.join("routes");
+    let m = mock("m0");
+    // Each with a key owner of its own, whose counters have a route slot too.
+    write_whole(
+        &routes.join("live.toml"),
+        &route_for(&[m.addr()], "api_keys = { \"live-key\" = \"alice\" }\n"),
+    );
+    write_whole(
+        &routes.join("keep.toml"),
+        &route_for(&[m.addr()], "api_keys = { \"keep-key\" = \"dave\" }\n"),
+    );
+    renamed_routes(&routes, 0, m.addr());
+    let (p, log) = start_serve_logging(&d.0, "", &[]);
+    let per_gen = u64::from(ROUTES_PER_GEN * (6 + RULES_PER_ROUTE));
+    assert_eq!(
+        slots_metric(p.admin, "route", "taken"),
+        Some(per_gen + 14),
+        "a generation, live and keep, alice and dave"
+    );
+    // A stream on `keep`, which the first reload drops, in flight throughout: it holds the
+    // first configuration (its routes, rules and pools) until it ends.
+    let mut s = connect(p.public);
+    s.write_all(&post_json(
+        "/keep/v1/chat/completions",
+        &chat_body("x", true),
+        "Authorization: Bearer keep-key\r\nx-mock-tokens: 600\r\nx-mock-interval-ms: 100\r\n",
+    ))
+    .unwrap();
+    let mut stream = BufReader::new(s);
+    let mut line = String::new();
+    stream.read_line(&mut line).unwrap();
+    assert!(line.starts_with("HTTP/1.1 200"), "{line}");
+    std::fs::remove_file(routes.join("keep.toml")).unwrap();
+    // Five reloads, each renaming every route of the generation: the fourth needs the slots
+    // of the second (the first is held), the fifth those of the third. A reload refused
+    // for want of a slot is retried until then.
+    for g in 1..6u32 {
+        for i in 0..ROUTES_PER_GEN {
+            std::fs::remove_file(routes.join(format!("g{}-r{i}.toml", g - 1))).unwrap();
+        }
+        renamed_routes(&routes, g, m.addr());
+        let path = format!("/g{g}-r0/v1/chat/completions");
+        let body = r#"{"model":"mock-model","messages":[{"role":"user","content":"x"}],"metadata":{"tenant":"t3"}}"#;
+        let t0 = Instant::now();
+        loop {
+            p.signal("HUP");
+            std::thread::sleep(Duration::from_millis(300));
+            if try_request(p.public, &post_json(&path, body, "")).is_ok_and(|r| r.status == 422) {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(40),
+                "generation {g} never came into force ({:?} route slots taken):\n{}",
+                slots_metric(p.admin, "route", "taken"),
+                log()
+                    .lines()
+                    .filter(|l| l.contains("slot") || l.contains("reload"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(700));
+        }
+        // The rule's counter counts this generation's one hit, even in a reused slot.
+        let st = request(p.public, &get(&format!("/g{g}-r0/_reject_rules_status"))).json();
+        assert_eq!(st["rules"][3]["name"], "rule3", "{st}");
+        assert_eq!(st["rules"][3]["hits"], 1, "{st}");
+        assert_eq!(st["rules"][2]["hits"], 0, "{st}");
+    }
+    assert!(
+        log().contains("freed the segment slots of routes"),
+        "{}",
+        log()
+    );
+    // Generations 1 to 4 go; the first configuration (`keep` and its owner too) stays while
+    // its request is in flight.
+    poll(Duration::from_secs(40), "older generations freed", || {
+        slots_metric(p.admin, "route", "taken") == Some(2 * per_gen + 14)
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        slots_metric(p.admin, "route", "taken"),
+        Some(2 * per_gen + 14),
+        "the first configuration's slots stay under its request"
+    );
+    line.clear();
+    stream.read_line(&mut line).unwrap();
+    assert!(!line.is_empty(), "the stream still flows");
+    // Once the request ends, they go too.
+    drop(stream);
+    poll(
+        Duration::from_secs(40),
+        "the first configuration's slots freed",
+        || slots_metric(p.admin, "route", "taken") == Some(per_gen + 7),
+    );
+    let r = request(
+        p.public,
+        &post_json(
+            "/live/v1/chat/completions",
+            &chat_body("y", false),
+            "Authorization: Bearer live-key\r\n",
+        ),
+    );
+    assert_eq!(r.status, 200);
 }
 
 /// SPEC §11, §12: in a takeover, the router being replaced drains on the configuration it

@@ -14,13 +14,13 @@
 //!   by the inserter and never change; bans by the health prober and proxying workers; the lease
 //!   by contenders for it; generic cells by whoever the router assigns them to; session
 //!   placements by any worker (a slot's key by CAS, then its value).
-//! - Route slots are permanent: the same key maps to the same slot for the life of the segment,
-//!   across reloads and processes. Peer slots keep their key for as long as somebody uses them:
-//!   every user stamps the slots it may still touch ([`Segment::touch_peer`]), and a slot
-//!   nobody stamped for a while and with no request in flight is freed
-//!   ([`Segment::free_idle_peer_slots`]) and reset when a new key takes it. Peer inserts and
-//!   frees take the slot-table lock (off the data path); lookups never do. Capacities are
-//!   fixed when the segment is created.
+//! - Peer and route slots keep their key for as long as somebody uses them, across reloads
+//!   and processes: every user stamps the slots it may still touch ([`Segment::touch_peer`],
+//!   [`Segment::touch_route`]), and a slot nobody stamped for a while (and, for a peer, with
+//!   no request in flight) is freed ([`Segment::free_idle_peer_slots`],
+//!   [`Segment::free_idle_route_slots`]) and reset when a new key takes it. Inserts and frees
+//!   take the table's slot lock (off the data path); lookups never do. Capacities are fixed
+//!   when the segment is created.
 //! - Reinitialising (capacity or version change) truncates the file; it is refused while a live
 //!   process owns a worker row. A process that still maps a shrunk segment would get SIGBUS, so
 //!   only short-lived readers (`warmroute status`) may be attached across such a change.
@@ -49,7 +49,11 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"WRMRTSHM");
 /// v3: peer slots can be freed (a `FREED` key state, a per-row `last_ref_ms` stamp, the peer
 /// slot-table lock in the lease line). A v2 process would neither stamp its slots nor
 /// take the lock, so the two must not share a segment.
-pub const LAYOUT_VERSION: u32 = 3;
+///
+/// v4: route slots can be freed too (a `last_ref_ms` stamp in the route row, the route
+/// slot-table lock in the lease line). A v3 process would not stamp its routes, whose slots
+/// a v4 lease holder would then free under it.
+pub const LAYOUT_VERSION: u32 = 4;
 /// Generic per-peer u64 cells (counters, EWMAs as f64 bits, ...), meaning defined by the router.
 pub const PEER_CELLS: usize = 32;
 /// Generic per-route u64 cells.
@@ -134,9 +138,11 @@ struct Header {
     /// the claim time), otherwise the expiry in ms since the epoch.
     lease_expires: AtomicU64,
     /// Writer: whoever inserts or frees peer slots, by CAS (0 = free, else
-    /// `pid << 32 | acquired_s as u32`); see [`Segment::lock_peer_slots`].
+    /// `pid << 32 | acquired_ms as u32`); see [`Segment::lock_slots`].
     peer_slot_lock: AtomicU64,
-    _pad1: [AtomicU64; 5],
+    /// The same for route slots.
+    route_slot_lock: AtomicU64,
+    _pad1: [AtomicU64; 4],
     // --- lines 2..10: generic global cells; writers as the router assigns them ------------------
     globals: [AtomicU64; GLOBAL_CELLS],
 }
@@ -164,8 +170,8 @@ const _: () = assert!(size_of::<WorkerRow>() == 64);
 #[repr(C)]
 struct KeyRec {
     /// Writer: inserter (CAS `EMPTY`→`WRITING`, then `WRITING`→`READY`), or a waiter that finds
-    /// the inserting process dead (`WRITING`→`ABANDONED`). Peer slots only: the freer
-    /// (`READY`→`FREED`, under the slot-table lock) and an inserter reusing a freed slot
+    /// the inserting process dead (`WRITING`→`ABANDONED`); the freer (`READY` or
+    /// `ABANDONED`→`FREED`, under the table's slot lock) and an inserter reusing a freed slot
     /// (`FREED`→`WRITING`, under the lock). Never goes back to `EMPTY`.
     state: AtomicU32,
     /// Writer: inserter, while `WRITING`.
@@ -197,11 +203,14 @@ struct PeerRow {
 }
 const _: () = assert!(size_of::<PeerRow>() == 448);
 
-/// A route slot: key, generic cells.
+/// A route slot: key, use stamp, generic cells.
 #[repr(C, align(64))]
 struct RouteRow {
     key: KeyRec,
-    _pad: [AtomicU64; 6],
+    /// Writer: every process that may use the slot ([`Segment::touch_route`], and the
+    /// inserter), storing its wall-clock ms. A slot stamped long ago is up for freeing.
+    last_ref_ms: AtomicU64,
+    _pad: [AtomicU64; 5],
     /// Writers as the router assigns them (each cell one role).
     cells: [AtomicU64; ROUTE_CELLS],
 }
@@ -224,7 +233,7 @@ const EMPTY: u32 = 0;
 const WRITING: u32 = 1;
 const READY: u32 = 2;
 const ABANDONED: u32 = 3;
-/// A peer slot freed for reuse: lookups probe past it (a key further on may have passed it
+/// A slot freed for reuse: lookups probe past it (a key further on may have passed it
 /// when it was taken), inserts reuse the first one they saw once the key is known absent.
 const FREED: u32 = 4;
 
@@ -234,7 +243,7 @@ const LEASE_CLAIMING: u64 = 1 << 63;
 const LEASE_CLAIM_STALE_MS: u64 = 5_000;
 /// A slot stuck in `WRITING` longer than this is treated as abandoned.
 const SLOT_WRITE_STALE: Duration = Duration::from_secs(2);
-/// The peer slot-table lock is taken over from a holder that is dead and has held it this
+/// A slot-table lock is taken over from a holder that is dead and has held it this
 /// long (ms), or from any holder after `SLOT_LOCK_STALE_MS` (a holder in another pid
 /// namespace looks dead; no insert or free round takes anywhere near this long). The lock
 /// word keeps the low 32 bits of the wall clock in ms: ages up to 24 days read right, and a
@@ -823,7 +832,7 @@ impl Segment {
     /// its ban, cells and stamp reset. Takes the slot-table lock (never on the data path).
     pub fn peer_slot(&self, key: &str) -> Option<PeerSlot> {
         let rows = self.peer_rows();
-        let _lock = self.lock_peer_slots();
+        let _lock = self.lock_slots(&self.header().peer_slot_lock);
         let now = now_ms();
         let i = slot_lookup(
             rows.len(),
@@ -843,11 +852,30 @@ impl Segment {
         rows[i].last_ref_ms.fetch_max(now, Ordering::Relaxed);
         Some(PeerSlot(i as u32))
     }
-    /// Find or insert the route slot of `key`. Route slots are permanent: the same key gets
-    /// the same slot forever in this segment. Lock-free.
+    /// Find or insert the route slot of `key`, and stamp it as used now (see
+    /// [`Segment::touch_route`]). As [`Segment::peer_slot`]: the same key gets the same slot
+    /// for as long as the slot is in use, and a slot freed by
+    /// [`Segment::free_idle_route_slots`] goes to a new key with its cells reset. Takes the
+    /// route slot-table lock (never on the data path).
     pub fn route_slot(&self, key: &str) -> Option<RouteSlot> {
         let rows = self.route_rows();
-        slot_lookup(rows.len(), |i| &rows[i].key, key, true, |_| {}).map(|i| RouteSlot(i as u32))
+        let _lock = self.lock_slots(&self.header().route_slot_lock);
+        let now = now_ms();
+        let i = slot_lookup(
+            rows.len(),
+            |i| &rows[i].key,
+            key,
+            true,
+            |i| {
+                let row = &rows[i];
+                for c in &row.cells {
+                    c.store(0, Ordering::Relaxed);
+                }
+                row.last_ref_ms.store(now, Ordering::Relaxed);
+            },
+        )?;
+        rows[i].last_ref_ms.fetch_max(now, Ordering::Relaxed);
+        Some(RouteSlot(i as u32))
     }
     /// Look up a peer slot without inserting (nor stamping).
     pub fn find_peer_slot(&self, key: &str) -> Option<PeerSlot> {
@@ -874,6 +902,40 @@ impl Segment {
     pub fn peer_last_ref_ms(&self, p: PeerSlot) -> u64 {
         self.peer(p).last_ref_ms.load(Ordering::Relaxed)
     }
+    /// Stamp route slot `r` as still used at `now_ms`, as [`Segment::touch_peer`] does.
+    pub fn touch_route(&self, r: RouteSlot, now_ms: u64) {
+        let c = &self.route_rows()[r.0 as usize].last_ref_ms;
+        if c.load(Ordering::Relaxed) < now_ms {
+            c.store(now_ms, Ordering::Relaxed);
+        }
+    }
+    /// When route slot `r` was last stamped as used (ms since the epoch).
+    pub fn route_last_ref_ms(&self, r: RouteSlot) -> u64 {
+        self.route_rows()[r.0 as usize]
+            .last_ref_ms
+            .load(Ordering::Relaxed)
+    }
+
+    /// The owned worker rows (claimed, being claimed or reset), or `None` when one of the
+    /// owned ones has gone `beat_ms` before `now_ms` without a heartbeat: a stalled or
+    /// stopped process stamps nothing either, so nothing may be freed.
+    fn owned_rows_if_beating(&self, now_ms: u64, beat_ms: u64) -> Option<Vec<WorkerId>> {
+        let mut owned = Vec::new();
+        let hw = self.header().rows_high_water.load(Ordering::Acquire) as usize;
+        for (i, row) in self.worker_rows().iter().enumerate().take(hw) {
+            let v = row.pid.load(Ordering::Acquire);
+            if v == 0 {
+                continue;
+            }
+            let quiet = now_ms.saturating_sub(row.heartbeat_ms.load(Ordering::Relaxed));
+            if owner(v).is_some() && quiet > beat_ms {
+                return None;
+            }
+            // Rows being claimed or reset count too: their counts are on their way to 0.
+            owned.push(WorkerId(i as u32));
+        }
+        Some(owned)
+    }
 
     /// Free every peer slot that nobody has stamped for `idle_ms` before `now_ms` and that
     /// has no request in flight in any owned worker row, and every slot an inserter died
@@ -887,65 +949,57 @@ impl Segment {
     /// intervals that, added to `beat_ms`, stay well under `idle_ms`. Skips the round when
     /// another process holds the slot-table lock.
     pub fn free_idle_peer_slots(&self, now_ms: u64, idle_ms: u64, beat_ms: u64) -> u32 {
-        let Some(_lock) = self.try_lock_peer_slots() else {
+        let Some(_lock) = self.try_lock_slots(&self.header().peer_slot_lock) else {
             return 0;
         };
-        let mut owned = Vec::new();
-        let hw = self.header().rows_high_water.load(Ordering::Acquire) as usize;
-        for (i, row) in self.worker_rows().iter().enumerate().take(hw) {
-            let v = row.pid.load(Ordering::Acquire);
-            if v == 0 {
-                continue;
-            }
-            let quiet = now_ms.saturating_sub(row.heartbeat_ms.load(Ordering::Relaxed));
-            if owner(v).is_some() && quiet > beat_ms {
-                return 0;
-            }
-            // Rows being claimed or reset count too: their counts are on their way to 0.
-            owned.push(WorkerId(i as u32));
-        }
+        let Some(owned) = self.owned_rows_if_beating(now_ms, beat_ms) else {
+            return 0;
+        };
         let mut n = 0;
         for (i, row) in self.peer_rows().iter().enumerate() {
-            match row.key.state.load(Ordering::Acquire) {
-                READY => {}
-                // An insert whose process died before publishing it: nobody ever got the
-                // slot, and it would otherwise stay taken for the life of the segment.
-                ABANDONED => {
-                    if row
-                        .key
-                        .state
-                        .compare_exchange(ABANDONED, FREED, Ordering::AcqRel, Ordering::Relaxed)
-                        .is_ok()
-                    {
-                        n += 1;
-                    }
-                    continue;
-                }
-                _ => continue,
-            }
-            let idle = now_ms.saturating_sub(row.last_ref_ms.load(Ordering::Relaxed));
             let p = PeerSlot(i as u32);
-            if idle < idle_ms || owned.iter().any(|&w| self.inflight_of(w, p) != 0) {
-                continue;
-            }
-            if row
-                .key
-                .state
-                .compare_exchange(READY, FREED, Ordering::AcqRel, Ordering::Relaxed)
-                .is_ok()
-            {
-                n += 1;
-            }
+            n += u32::from(free_if_idle(
+                &row.key,
+                &row.last_ref_ms,
+                now_ms,
+                idle_ms,
+                || owned.iter().all(|&w| self.inflight_of(w, p) == 0),
+            ));
         }
         n
     }
 
-    /// Take the peer slot-table lock, waiting for it (inserts and frees are short). A holder
-    /// that died, or that has held it implausibly long, loses it.
-    fn lock_peer_slots(&self) -> SlotLock<'_> {
+    /// Free every route slot that nobody has stamped for `idle_ms` before `now_ms`, and every
+    /// slot an inserter died before publishing; returns how many. The rules of
+    /// [`Segment::free_idle_peer_slots`] hold (nothing is freed while a worker row is quiet,
+    /// the round is skipped while another process holds the lock); a route row has no
+    /// in-flight count, so only the stamp tells.
+    pub fn free_idle_route_slots(&self, now_ms: u64, idle_ms: u64, beat_ms: u64) -> u32 {
+        let Some(_lock) = self.try_lock_slots(&self.header().route_slot_lock) else {
+            return 0;
+        };
+        if self.owned_rows_if_beating(now_ms, beat_ms).is_none() {
+            return 0;
+        }
+        let mut n = 0;
+        for row in self.route_rows() {
+            n += u32::from(free_if_idle(
+                &row.key,
+                &row.last_ref_ms,
+                now_ms,
+                idle_ms,
+                || true,
+            ));
+        }
+        n
+    }
+
+    /// Take a slot-table lock (`lock`, one of the header's), waiting for it (inserts and
+    /// frees are short). A holder that died, or that has held it implausibly long, loses it.
+    fn lock_slots<'a>(&'a self, lock: &'a AtomicU64) -> SlotLock<'a> {
         let mut spins: u32 = 0;
         loop {
-            if let Some(l) = self.try_lock_peer_slots() {
+            if let Some(l) = self.try_lock_slots(lock) {
                 return l;
             }
             spins = spins.saturating_add(1);
@@ -959,8 +1013,7 @@ impl Segment {
         }
     }
 
-    fn try_lock_peer_slots(&self) -> Option<SlotLock<'_>> {
-        let lock = &self.header().peer_slot_lock;
+    fn try_lock_slots<'a>(&'a self, lock: &'a AtomicU64) -> Option<SlotLock<'a>> {
         let now = now_ms();
         let word = (u64::from(std::process::id()) << 32) | (now & 0xffff_ffff);
         let cur = lock.load(Ordering::Acquire);
@@ -1232,7 +1285,7 @@ impl Segment {
     }
 }
 
-/// The held peer slot-table lock; released on drop (unless a stale-lock taker took it).
+/// A held slot-table lock; released on drop (unless a stale-lock taker took it).
 struct SlotLock<'a> {
     lock: &'a AtomicU64,
     word: u64,
@@ -1248,6 +1301,33 @@ impl Drop for SlotLock<'_> {
 
 fn owner(v: u32) -> Option<u32> {
     (v != 0 && v & RESETTING == 0).then_some(v)
+}
+
+/// One step of a free round (the table's slot lock held): an `ABANDONED` slot (an insert
+/// whose process died before publishing it, which nobody ever got and which would otherwise
+/// stay taken for the life of the segment) is freed; a `READY` one when its stamp is
+/// `idle_ms` old and `unused()` agrees. Whether it freed the slot.
+fn free_if_idle(
+    key: &KeyRec,
+    last_ref_ms: &AtomicU64,
+    now_ms: u64,
+    idle_ms: u64,
+    unused: impl FnOnce() -> bool,
+) -> bool {
+    let from = match key.state.load(Ordering::Acquire) {
+        ABANDONED => ABANDONED,
+        READY => {
+            let idle = now_ms.saturating_sub(last_ref_ms.load(Ordering::Relaxed));
+            if idle < idle_ms || !unused() {
+                return false;
+            }
+            READY
+        }
+        _ => return false,
+    };
+    key.state
+        .compare_exchange(from, FREED, Ordering::AcqRel, Ordering::Relaxed)
+        .is_ok()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1357,9 +1437,8 @@ fn claim_slot(r: &KeyRec, from: u32, bytes: &[u8], hash: u64, reset: impl FnOnce
 /// Lookups probe past `FREED` and `ABANDONED` slots and stop at the first `EMPTY` one
 /// (inserts fill the first empty slot, so the key is not further on). An insert reuses the
 /// first `FREED` slot of the probe only once it has seen the key is absent (an `EMPTY` slot
-/// or the whole table), calling `reset(index)` before publishing it. Tables that have `FREED`
-/// slots (peers) are inserted into under the slot-table lock only, so no two inserts of one
-/// key can each take a different freed slot; tables without (routes) stay lock-free.
+/// or the whole table), calling `reset(index)` before publishing it. Inserts run under the
+/// table's slot lock only, so no two inserts of one key can each take a different freed slot.
 fn slot_lookup<'a>(
     n: usize,
     rec: impl Fn(usize) -> &'a KeyRec,

@@ -875,11 +875,16 @@ fn reading_the_thread_cpu_clock_charges_the_run_time() {
     assert!(slept - now < 20_000_000, "{now} -> {slept} across a sleep");
 }
 
-/// A key whose probe starts at slot `start` of a 16-slot table.
+/// A key whose probe starts at slot `start` of a 16-slot table (the peers of `small()`).
 fn key_starting_at(prefix: &str, start: u32) -> String {
+    key_starting_at_of(prefix, start, 16)
+}
+
+/// A key whose probe starts at slot `start` of an `n`-slot table.
+fn key_starting_at_of(prefix: &str, start: u32, n: u64) -> String {
     (0..)
         .map(|i| format!("{prefix}-{i}"))
-        .find(|k| key_hash(k.as_bytes()) % 16 == u64::from(start))
+        .find(|k| key_hash(k.as_bytes()) % n == u64::from(start))
         .unwrap()
 }
 
@@ -1007,19 +1012,19 @@ fn the_peer_slot_lock_is_taken_from_a_dead_or_stuck_holder() {
     let later = s.peer_last_ref_ms(p) + 60_000;
     // Held by a live process just now: a free round skips.
     lock.store(word(me(), now), Ordering::Release);
-    assert!(s.try_lock_peer_slots().is_none());
+    assert!(s.try_lock_slots(lock).is_none());
     // Held by a live process for 999 ms, or taken "later" than now (the clock went back):
     // still held.
     lock.store(word(me(), now - 999), Ordering::Release);
-    assert!(s.try_lock_peer_slots().is_none());
+    assert!(s.try_lock_slots(lock).is_none());
     lock.store(word(me(), now + 30_000), Ordering::Release);
-    assert!(s.try_lock_peer_slots().is_none());
+    assert!(s.try_lock_slots(lock).is_none());
     // A dead holder loses it even then, and after 1 s in any case (ms, not whole seconds:
     // 1.001 s is not "2 s" and 0.999 s is not "1 s").
     lock.store(word(dead_pid(), now + 30_000), Ordering::Release);
-    assert!(s.try_lock_peer_slots().is_some());
+    assert!(s.try_lock_slots(lock).is_some());
     lock.store(word(dead_pid(), now - 500), Ordering::Release);
-    assert!(s.try_lock_peer_slots().is_none());
+    assert!(s.try_lock_slots(lock).is_none());
     lock.store(word(me(), now), Ordering::Release);
     assert_eq!(s.free_idle_peer_slots(later, 5_000, 1_000), 0);
     // Held by a process that died a while ago: taken over, and given back after use.
@@ -1032,6 +1037,74 @@ fn the_peer_slot_lock_is_taken_from_a_dead_or_stuck_holder() {
     assert_eq!(lock.load(Ordering::Acquire), 0);
     // Held by a live process for implausibly long: taken over too.
     lock.store(word(me(), now - 60_000), Ordering::Release);
-    assert!(s.try_lock_peer_slots().is_some());
+    assert!(s.try_lock_slots(lock).is_some());
     assert_eq!(lock.load(Ordering::Acquire), 0);
+}
+
+#[test]
+fn idle_route_slots_are_freed_and_reset_on_reuse() {
+    let t = TempPath::new("routefree");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let w = s.claim_worker(me(), 0).unwrap();
+    let old = s.route_slot("gone#status").unwrap();
+    let kept = s.route_slot("kept#status").unwrap();
+    let stamped = s.route_last_ref_ms(old);
+    assert!(stamped > 0, "an insert stamps the slot");
+    for i in 0..ROUTE_CELLS {
+        s.route_cell(old, i).store(i as u64 + 7, Ordering::Relaxed);
+    }
+    let later = stamped + 60_000;
+    s.heartbeat(w, later);
+    s.touch_route(kept, later);
+    // Controls: stamped recently, the slot stays; so it does while a worker is quiet, or
+    // while another process holds the route table's lock.
+    assert_eq!(s.free_idle_route_slots(stamped + 1_000, 5_000, 1_000), 0);
+    assert_eq!(s.free_idle_route_slots(later + 2_000, 5_000, 1_000), 0);
+    let lock = &s.header().route_slot_lock;
+    lock.store(
+        (u64::from(me()) << 32) | (now_ms() & 0xffff_ffff),
+        Ordering::Release,
+    );
+    assert_eq!(s.free_idle_route_slots(later, 5_000, 1_000), 0);
+    lock.store(0, Ordering::Release);
+    assert_eq!(s.slots_taken(), (0, 2));
+    // Idle for long enough: freed; the slot stamped since stays.
+    assert_eq!(s.free_idle_route_slots(later, 5_000, 1_000), 1);
+    assert_eq!(s.slots_taken(), (0, 1));
+    assert_eq!(s.find_route_slot("gone#status"), None);
+    assert_eq!(s.find_route_slot("kept#status"), Some(kept));
+    assert_eq!(s.route_keys(), vec![(kept, "kept#status".to_string())]);
+    // A new key that probes from the freed slot takes it, and inherits no counts.
+    let key = key_starting_at_of("new#status", old.0, u64::from(small().routes));
+    let new = s.route_slot(&key).unwrap();
+    assert_eq!(new, old);
+    assert!((0..ROUTE_CELLS).all(|i| s.route_cell(new, i).load(Ordering::Relaxed) == 0));
+    assert!(s.route_last_ref_ms(new) >= stamped);
+    assert_eq!(s.slots_taken(), (0, 2));
+    // The same key asked for again gets the same slot, stamped again.
+    assert_eq!(s.route_slot(&key), Some(new));
+    assert_eq!(
+        lock.load(Ordering::Acquire),
+        0,
+        "an insert gives the lock back"
+    );
+}
+
+#[test]
+fn a_full_route_table_reuses_freed_slots() {
+    let t = TempPath::new("routefull");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let n = small().routes;
+    let first: Vec<RouteSlot> = (0..n)
+        .map(|i| s.route_slot(&format!("gen1-{i}")).unwrap())
+        .collect();
+    assert_eq!(s.route_slot("gen2-0"), None, "full");
+    let now = s.route_last_ref_ms(first[0]) + 60_000;
+    assert_eq!(s.free_idle_route_slots(now, 5_000, 1_000), n);
+    let second: HashSet<RouteSlot> = (0..n)
+        .map(|i| s.route_slot(&format!("gen2-{i}")).unwrap())
+        .collect();
+    assert_eq!(second.len(), n as usize);
+    assert_eq!(s.route_slot("gen3-0"), None, "full again");
+    assert_eq!(s.find_route_slot("gen1-3"), None);
 }

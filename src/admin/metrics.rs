@@ -542,9 +542,8 @@ fn config_generation(x: &mut Exposition, s: &Sources) {
     .sample(&Labels::none(), s.snap.generation);
 }
 
-/// How full the shared segment's slot tables are: peer slots of peers no configuration uses
-/// any more are freed after a while, route slots never are, and a reload that finds no free
-/// slot is refused.
+/// How full the shared segment's slot tables are: slots no configuration uses any more are
+/// freed after a while, and a reload that finds no free slot is refused.
 fn segment_slots(x: &mut Exposition, s: &Sources) {
     let (peers, routes) = s.seg.slots_taken();
     let caps = s.seg.caps();

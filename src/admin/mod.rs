@@ -652,8 +652,9 @@ fn route_endpoint(
                 .reject_rules_compiled
                 .rules
                 .iter()
-                .map(|r| {
-                    let hits = seg.find_route_slot(&cells::rule_slot_key(route.name(), &r.name)).map_or(0, |s| seg.route_cell(s, cells::route::RULE_HITS).load(Relaxed));
+                .enumerate()
+                .map(|(i, r)| {
+                    let hits = route.rule_slots.get(i).copied().flatten().map_or(0, |s| seg.route_cell(s, cells::route::RULE_HITS).load(Relaxed));
                     json!({"name": r.name, "condition": r.source, "status": r.status.unwrap_or(opts.reject_rules_status), "message": r.message_or_default(), "hits": hits})
                 })
                 .collect();

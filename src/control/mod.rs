@@ -24,19 +24,19 @@ const LEASE_TTL_MS: u64 = 2_000;
 /// How long a dead process's worker row must have gone without a heartbeat (live workers
 /// beat every 50 ms) before the lease holder frees it.
 const DEAD_ROW_QUIET_MS: u64 = 2_000;
-/// A peer slot nobody has stamped as in use for this long, with nothing in flight, is
-/// freed for reuse (peers that no reload, no draining router and no request uses any
-/// more). Every worker of every process stamps its slots each second
-/// (`worker::PEER_SLOT_STAMP`); the margin covers a startup between building the first
+/// A peer or route slot nobody has stamped as in use for this long (a peer's also with
+/// nothing in flight) is freed for reuse: the peers, routes, pools, rules and key owners
+/// that no reload, no draining router and no request uses any more. Every worker of every process stamps its slots each second
+/// (`worker::SLOT_STAMP`); the margin covers a startup between building the first
 /// snapshot (which stamps it) and the workers' first stamp.
-pub const PEER_SLOT_IDLE_MS: u64 = 10_000;
+pub const SLOT_IDLE_MS: u64 = 10_000;
 /// Nothing is freed while some worker row has gone this long without a heartbeat: a
 /// stalled process stamps nothing either.
-pub const PEER_SLOT_BEAT_MS: u64 = 2_000;
-/// How often the lease holder looks for idle peer slots.
-const PEER_SLOT_SWEEP_MS: u64 = 1_000;
+pub const SLOT_BEAT_MS: u64 = 2_000;
+/// How often the lease holder looks for idle slots.
+const SLOT_SWEEP_MS: u64 = 1_000;
 /// A wall clock that moved this much more (or less) than the monotonic clock between two
-/// ticks was stepped, and no peer slot is freed for `CLOCK_STEP_QUIET` after it.
+/// ticks was stepped, and no slot is freed for `CLOCK_STEP_QUIET` after it.
 const CLOCK_STEP_MS: i128 = 1_000;
 const CLOCK_STEP_QUIET: Duration = Duration::from_secs(3);
 
@@ -115,14 +115,22 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
             );
         }
         if steady_clock && now >= next_sweep_ms {
-            next_sweep_ms = now + PEER_SLOT_SWEEP_MS;
-            // Peers that reloads dropped would otherwise hold their slots for the life of
-            // the segment, which takeovers keep, until reloads are refused for want of one.
-            let freed = seg.free_idle_peer_slots(now, PEER_SLOT_IDLE_MS, PEER_SLOT_BEAT_MS);
+            next_sweep_ms = now + SLOT_SWEEP_MS;
+            // Peers and routes that reloads dropped would otherwise hold their slots for
+            // the life of the segment, which takeovers keep, until reloads are refused for
+            // want of one.
+            let freed = seg.free_idle_peer_slots(now, SLOT_IDLE_MS, SLOT_BEAT_MS);
             if freed > 0 {
                 tracing::info!(
                     slots = freed,
                     "freed the segment slots of peers no longer used"
+                );
+            }
+            let freed = seg.free_idle_route_slots(now, SLOT_IDLE_MS, SLOT_BEAT_MS);
+            if freed > 0 {
+                tracing::info!(
+                    slots = freed,
+                    "freed the segment slots of routes, pools, rules and key owners no longer used"
                 );
             }
         }

@@ -556,8 +556,7 @@ async fn proxy(
     {
         if let Some(hit) = opts.reject_rules_compiled.evaluate(&p.body) {
             rcell(cells::route::REJECT_RULE).fetch_add(1, Relaxed);
-            if let Some(slot) = seg.route_slot(&cells::rule_slot_key(route.name(), &hit.rule.name))
-            {
+            if let Some(slot) = route.rule_slots.get(hit.index).copied().flatten() {
                 seg.route_cell(slot, cells::route::RULE_HITS)
                     .fetch_add(1, Relaxed);
             }

@@ -43,9 +43,12 @@ pub struct WorkerCtx {
     #[allow(clippy::redundant_allocation)]
     snapshot: RefCell<Rc<Arc<Snapshot>>>,
     /// The routes of snapshots this worker swapped out, for as long as anything (a request,
-    /// a health probe) still holds them: their peer slots are stamped as in use
-    /// ([`WorkerCtx::touch_peer_slots`]) until the last holder lets go.
+    /// a health probe) still holds them: their peer and route slots are stamped as in use
+    /// ([`WorkerCtx::touch_slots`]) until the last holder lets go.
     retired: RefCell<Vec<Weak<RouteRt>>>,
+    /// The same for the swapped-out snapshots themselves (a request holds its snapshot),
+    /// for the rows of their key owners.
+    retired_snaps: RefCell<Vec<Weak<Snapshot>>>,
     pub upstreams: RefCell<UpstreamPool>,
     pub drain: LocalNotify,
     pub active_conns: Cell<usize>,
@@ -319,6 +322,7 @@ impl WorkerCtx {
             shared,
             snapshot: RefCell::new(Rc::new(snapshot)),
             retired: RefCell::new(Vec::new()),
+            retired_snaps: RefCell::new(Vec::new()),
             upstreams: RefCell::new(pool),
             drain: LocalNotify::default(),
             active_conns: Cell::new(0),
@@ -362,6 +366,9 @@ impl WorkerCtx {
         self.retired
             .borrow_mut()
             .extend(before.routes.iter().map(Arc::downgrade));
+        self.retired_snaps
+            .borrow_mut()
+            .push(Arc::downgrade(&before));
         if before.config.server.bodylog_listener != listener {
             // A reload that names another body-log listener, or none: the old sender stops
             // (what it still queued is dropped and counted) and a new one starts.
@@ -380,17 +387,26 @@ impl WorkerCtx {
         }
     }
 
-    /// Stamp every peer slot this worker may still use as in use at `now_ms`: those of its
-    /// snapshot and of the swapped-out routes something still holds (a request started on
-    /// an older configuration, a health probe), forgetting the routes nobody holds any
-    /// more. The lease holder frees peer slots nobody has stamped for a while
-    /// (`control::PEER_SLOT_IDLE_MS`), so a slot is never freed under a request or a task
+    /// Stamp every peer and route slot this worker may still use as in use at `now_ms`:
+    /// those of its snapshot and of the swapped-out routes and snapshots something still
+    /// holds (a request started on an older configuration, a health probe), forgetting the
+    /// ones nobody holds any more. The lease holder frees slots nobody has stamped for a
+    /// while (`control::SLOT_IDLE_MS`), so a slot is never freed under a request or a task
     /// of this process.
-    pub fn touch_peer_slots(&self, now_ms: u64) {
+    pub fn touch_slots(&self, now_ms: u64) {
         let seg = &self.shared.seg;
         let snap = self.snapshot();
-        let touch = |r: &RouteRt| r.all_peers().for_each(|p| seg.touch_peer(p.slot, now_ms));
+        let touch = |r: &RouteRt| {
+            r.all_peers().for_each(|p| seg.touch_peer(p.slot, now_ms));
+            r.route_slots().for_each(|s| seg.touch_route(s, now_ms));
+        };
+        let touch_owners = |s: &Snapshot| {
+            s.owners
+                .iter()
+                .for_each(|(_, slot)| seg.touch_route(*slot, now_ms))
+        };
         snap.routes.iter().for_each(|r| touch(r));
+        touch_owners(&snap);
         self.retired.borrow_mut().retain(|w| match w.upgrade() {
             Some(r) => {
                 touch(&r);
@@ -398,6 +414,15 @@ impl WorkerCtx {
             }
             None => false,
         });
+        self.retired_snaps
+            .borrow_mut()
+            .retain(|w| match w.upgrade() {
+                Some(s) => {
+                    touch_owners(&s);
+                    true
+                }
+                None => false,
+            });
     }
 
     /// The running body-log sender, if body logging has a listener.

@@ -35,10 +35,10 @@ use crate::util::{race, Either};
 
 /// How often each worker looks at the snapshot channel, the drain flag and its heartbeat.
 const TICK: Duration = Duration::from_millis(50);
-/// How often each worker stamps the peer slots it may use (see
-/// [`WorkerCtx::touch_peer_slots`]): well within `control::PEER_SLOT_IDLE_MS`, less the
-/// heartbeat silence that stops the freeing (`control::PEER_SLOT_BEAT_MS`).
-const PEER_SLOT_STAMP: Duration = Duration::from_secs(1);
+/// How often each worker stamps the peer and route slots it may use (see
+/// [`WorkerCtx::touch_slots`]): well within `control::SLOT_IDLE_MS`, less the
+/// heartbeat silence that stops the freeing (`control::SLOT_BEAT_MS`).
+const SLOT_STAMP: Duration = Duration::from_secs(1);
 /// How long after the drain deadline a worker waits for the responses cut there to write
 /// their access lines.
 const DRAIN_CUT_GRACE: Duration = Duration::from_millis(100);
@@ -275,14 +275,14 @@ fn worker_main(
         shared.workers_ready.fetch_add(1, Ordering::AcqRel);
         let mut log_reopens = shared.log_reopens.load(Ordering::Acquire);
         let mut stamped = Instant::now();
-        ctx.touch_peer_slots(warmroute_shm::now_ms());
+        ctx.touch_slots(warmroute_shm::now_ms());
         loop {
             monoio::time::sleep(TICK).await;
             let now = warmroute_shm::now_ms();
             // Stamp before the heartbeat: a worker seen beating has stamped recently.
-            if stamped.elapsed() >= PEER_SLOT_STAMP {
+            if stamped.elapsed() >= SLOT_STAMP {
                 stamped = Instant::now();
-                ctx.touch_peer_slots(now);
+                ctx.touch_slots(now);
             }
             shared.seg.heartbeat(wid, now);
             let mut newest = None;
