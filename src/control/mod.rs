@@ -34,7 +34,7 @@ pub const SLOT_IDLE_MS: u64 = 10_000;
 /// stalled process stamps nothing either.
 pub const SLOT_BEAT_MS: u64 = 2_000;
 /// How often the lease holder looks for idle slots.
-const SLOT_SWEEP_MS: u64 = 1_000;
+const SLOT_SWEEP: Duration = Duration::from_secs(1);
 /// A wall clock that moved this much more (or less) than the monotonic clock between two
 /// ticks was stepped, and no slot is freed for `CLOCK_STEP_QUIET` after it.
 const CLOCK_STEP_MS: i128 = 1_000;
@@ -73,13 +73,39 @@ impl ClockSteps {
     }
 }
 
+/// When each route's next health round is due. Monotonic time: these are this process's
+/// own deadlines, and a wall clock stepped back (an NTP correction, a VM resumed from a
+/// snapshot) must not postpone every probe by the size of the step.
+#[derive(Default)]
+struct Rounds {
+    next: HashMap<String, Instant>,
+}
+
+impl Rounds {
+    /// Whether `route`'s round is due at `now` (its first one is); when it is, the next one
+    /// is set `every` later.
+    fn due(&mut self, route: &str, now: Instant, every: Duration) -> bool {
+        match self.next.get_mut(route) {
+            Some(at) if now < *at => false,
+            Some(at) => {
+                *at = now + every;
+                true
+            }
+            None => {
+                self.next.insert(route.to_string(), now + every);
+                true
+            }
+        }
+    }
+}
+
 /// The lease-holder loop, started on every worker.
 pub async fn run(ctx: Rc<WorkerCtx>) {
     let holder = ((std::process::id() as u64) << 16) | (ctx.index as u64 + 1);
     let seg = ctx.shared.seg.clone();
-    let mut next_round_ms: HashMap<String, u64> = HashMap::new();
+    let mut rounds = Rounds::default();
     let mut held = false;
-    let mut next_sweep_ms = 0;
+    let mut next_sweep = Instant::now();
     let mut clock = ClockSteps::new(warmroute_shm::now_ms(), Instant::now());
     loop {
         if let Either::Right(()) = race(monoio::time::sleep(LEASE_TICK), ctx.drain.wait()).await {
@@ -89,7 +115,8 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
             return;
         }
         let now = warmroute_shm::now_ms();
-        let steady_clock = clock.steady(now, Instant::now());
+        let mono = Instant::now();
+        let steady_clock = clock.steady(now, mono);
         let has = seg.try_lease(holder, now, LEASE_TTL_MS);
         if has != held {
             tracing::info!(
@@ -99,7 +126,7 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
                 if has { "acquired" } else { "lost" }
             );
             held = has;
-            next_round_ms.clear();
+            rounds.next.clear();
         }
         if !has {
             continue;
@@ -114,8 +141,8 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
                 "reclaimed worker rows of a dead process, with their in-flight counts"
             );
         }
-        if steady_clock && now >= next_sweep_ms {
-            next_sweep_ms = now + SLOT_SWEEP_MS;
+        if steady_clock && mono >= next_sweep {
+            next_sweep = mono + SLOT_SWEEP;
             // Peers and routes that reloads dropped would otherwise hold their slots for
             // the life of the segment, which takeovers keep, until reloads are refused for
             // want of one.
@@ -140,19 +167,34 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
             for pool in &route.pools {
                 latency::tick(&route.cfg.opts, pool, &seg, now_s);
             }
-            let due = next_round_ms.entry(route.name().to_string()).or_insert(0);
-            if now >= *due {
-                *due = now + route.cfg.opts.health_check_interval.max(1) * 1000;
+            let every = Duration::from_secs(route.cfg.opts.health_check_interval.max(1));
+            if rounds.due(route.name(), mono, every) {
                 monoio::spawn(health::probe_route(ctx.clone(), route.clone()));
             }
         }
-        next_round_ms.retain(|name, _| snap.route(name).is_some());
+        rounds.next.retain(|name, _| snap.route(name).is_some());
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn health_rounds_are_due_by_the_monotonic_clock() {
+        let t0 = Instant::now();
+        let every = Duration::from_secs(5);
+        let mut r = Rounds::default();
+        // A route's first round is due at once, the next one `every` later.
+        assert!(r.due("a", t0, every));
+        assert!(!r.due("a", t0 + Duration::from_millis(4_999), every));
+        assert!(r.due("a", t0 + every, every));
+        assert!(!r.due("a", t0 + every + Duration::from_secs(1), every));
+        // Each route keeps its own schedule.
+        assert!(r.due("b", t0 + Duration::from_secs(6), every));
+        assert!(r.due("a", t0 + Duration::from_secs(10), every));
+        assert!(!r.due("b", t0 + Duration::from_secs(10), every));
+    }
 
     #[test]
     fn a_stepped_wall_clock_holds_the_peer_slot_sweep_for_a_while() {
