@@ -511,14 +511,16 @@ fn streams_cut_at_the_drain_deadline_get_their_access_lines() {
     std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
     let log = d.0.join("access.log");
     let mut p = start_serve_with(&d.0, "", &["--access-log", log.to_str().unwrap()]);
-    // Two streams far longer than SIGINT's 5 s drain, and one short one that ends in it.
-    let open = |tokens: u32, sid: &str| {
+    // Two streams far longer than SIGINT's 5 s drain, and one short one that ends in it;
+    // and one whose next event is due 30 s after the one before: the router waits for it
+    // from before the drain, and that wait must end at the deadline too.
+    let open_every = |tokens: u32, sid: &str, interval_ms: u32| {
         let mut s = connect(p.public);
         s.write_all(&post_json(
             "/a/v1/chat/completions",
             &chat_body("x", true),
             &format!(
-                "x-session-id: {sid}\r\nx-mock-tokens: {tokens}\r\nx-mock-interval-ms: 100\r\n"
+                "x-session-id: {sid}\r\nx-mock-tokens: {tokens}\r\nx-mock-interval-ms: {interval_ms}\r\n"
             ),
         ))
         .unwrap();
@@ -528,14 +530,23 @@ fn streams_cut_at_the_drain_deadline_get_their_access_lines() {
         assert!(line.starts_with("HTTP/1.1 200"), "{line}");
         r
     };
+    let open = |tokens: u32, sid: &str| open_every(tokens, sid, 100);
     let long = [open(600, "long-1"), open(600, "long-2")];
+    let mut gap = open_every(3, "gap", 30_000);
+    let mut event = String::new();
+    while !event.starts_with("data:") {
+        event.clear();
+        gap.read_line(&mut event).unwrap();
+    }
+    // Waiting for the next event for longer than the wait takes to listen for a drain.
+    std::thread::sleep(Duration::from_millis(1_500));
     let short = open(10, "short");
     p.signal("INT");
     let status = p
         .wait_exit(Duration::from_secs(10))
         .expect("router exits at the drain deadline");
     assert!(status.success(), "{status:?}");
-    drop((long, short));
+    drop((long, short, gap));
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
         .unwrap_or_default()
         .lines()
@@ -554,6 +565,7 @@ fn streams_cut_at_the_drain_deadline_get_their_access_lines() {
     assert_eq!(
         ends,
         [
+            ("gap".to_string(), "shutdown".to_string()),
             ("long-1".to_string(), "shutdown".to_string()),
             ("long-2".to_string(), "shutdown".to_string()),
             // The control: a stream that ended within the drain is complete.

@@ -343,6 +343,34 @@ type WatchRead<'a> = Pin<Box<dyn Future<Output = BufResult<usize, Vec<u8>>> + 'a
 #[derive(Debug)]
 pub struct ClientGone;
 
+/// The router's drain as a long wait sees it: the deadline (ms since the epoch, 0 while
+/// not draining) and the worker's signal that the drain began.
+#[derive(Clone, Copy)]
+pub struct DrainWatch<'a> {
+    pub deadline_ms: &'a std::sync::atomic::AtomicU64,
+    pub started: &'a crate::worker::LocalNotify,
+}
+
+impl DrainWatch<'_> {
+    /// When the drain ends, if the router drains.
+    fn deadline(&self) -> Option<Instant> {
+        let ms = self.deadline_ms.load(std::sync::atomic::Ordering::Relaxed);
+        (ms != 0).then(|| {
+            Instant::now() + Duration::from_millis(ms.saturating_sub(warmroute_shm::now_ms()))
+        })
+    }
+
+    /// Whether the drain deadline has passed.
+    pub fn passed(&self) -> bool {
+        let ms = self.deadline_ms.load(std::sync::atomic::Ordering::Relaxed);
+        ms != 0 && warmroute_shm::now_ms() >= ms
+    }
+}
+
+/// How long a wait goes before it also listens for the drain: most waits end sooner, and
+/// pay nothing for it.
+const DRAIN_LISTEN_AFTER: Duration = Duration::from_secs(1);
+
 /// Why a watched wait ended without its result.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Stopped {
@@ -392,6 +420,43 @@ impl<'a> ClientWatch<'a> {
         mut other: F,
     ) -> impl Future<Output = Result<F::Output, Stopped>> + use<'s, 'a, F> {
         std::future::poll_fn(move |cx| self.poll_race(cx, deadline, &mut other))
+    }
+
+    /// [`ClientWatch::race_until`], where the wait also ends at the router's drain deadline
+    /// (`TimedOut`; [`DrainWatch::passed`] tells the two apart): a wait that starts while
+    /// the router drains is cut there, and so is one that began before the drain and still
+    /// goes on (it listens for the drain's start once it has waited
+    /// `DRAIN_LISTEN_AFTER`). A response cut so ends with its access line, instead of
+    /// being dropped with the worker.
+    pub async fn race_until_drained<F: Future>(
+        &mut self,
+        deadline: Instant,
+        mut other: Pin<&mut F>,
+        drain: Option<DrainWatch<'_>>,
+    ) -> Result<F::Output, Stopped> {
+        let Some(drain) = drain else {
+            return self.race_until(Some(deadline), other).await;
+        };
+        if !drain.started.is_fired() {
+            let listen_at = Instant::now() + DRAIN_LISTEN_AFTER;
+            if deadline <= listen_at {
+                return self.race_until(Some(deadline), other).await;
+            }
+            match self.race_until(Some(listen_at), other.as_mut()).await {
+                Err(Stopped::TimedOut) => {}
+                done => return done,
+            }
+            if !drain.started.is_fired() {
+                let either = pin!(crate::util::race(other.as_mut(), drain.started.wait()));
+                match self.race_until(Some(deadline), either).await {
+                    Ok(crate::util::Either::Left(v)) => return Ok(v),
+                    Ok(crate::util::Either::Right(())) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        let deadline = drain.deadline().map_or(deadline, |d| d.min(deadline));
+        self.race_until(Some(deadline), other).await
     }
 
     /// One poll of a race. One timer serves both the watch's arm time and the deadline:

@@ -950,7 +950,10 @@ async fn proxy(
                     idle_timeout: Duration::from_millis(opts.idle_timeout_ms),
                     head_at: ex.head_at,
                     event_stream,
-                    drain_deadline_ms: Some(&ctx.shared.drain_deadline_ms),
+                    drain: Some(client::DrainWatch {
+                        deadline_ms: &ctx.shared.drain_deadline_ms,
+                        started: &ctx.drain,
+                    }),
                 };
                 let mut stats = RelayStats {
                     capture: bodylog_capture(ctx, route, &p.body, inserted_at),

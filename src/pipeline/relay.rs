@@ -14,7 +14,7 @@ use crate::transform::UsageFrameFilter;
 
 use monoio::io::OwnedWriteHalf;
 
-use super::client::{write_client, ClientWatch, Stopped};
+use super::client::{write_client, ClientWatch, DrainWatch, Stopped};
 use crate::worker::Spares;
 
 /// How the relay ended.
@@ -260,11 +260,10 @@ pub struct RelayPlan<'a> {
     /// An event stream: read into the small buffer from the start (events come a few
     /// at a time and the stream mostly waits), giving the head's full-size buffer back.
     pub event_stream: bool,
-    /// The router's drain deadline, ms since the epoch (0: not draining). A wait that
-    /// starts while the router drains ends there at the latest, so a response still going
-    /// at the deadline ends here, with its access line, instead of being dropped with the
-    /// worker.
-    pub drain_deadline_ms: Option<&'a std::sync::atomic::AtomicU64>,
+    /// The router's drain. A wait for the peer ends at the drain deadline at the latest
+    /// (whether it began before the drain or during it), so a response still going at the
+    /// deadline ends here, with its access line, instead of being dropped with the worker.
+    pub drain: Option<DrainWatch<'a>>,
 }
 
 /// Body state machine over the upstream bytes.
@@ -482,18 +481,11 @@ pub async fn relay(
         // write — not from the peer's last bytes: a client slow to take them is not an
         // idle peer (and on io_uring the read's first poll only submits it, so an
         // already passed deadline would win even with bytes waiting).
-        let mut deadline = monoio::time::Instant::now() + plan.idle_timeout;
-        let drain_ms = plan
-            .drain_deadline_ms
-            .map_or(0, |d| d.load(std::sync::atomic::Ordering::Relaxed));
-        if drain_ms != 0 {
-            let left = drain_ms.saturating_sub(warmroute_shm::now_ms());
-            deadline = deadline.min(monoio::time::Instant::now() + Duration::from_millis(left));
-        }
+        let deadline = monoio::time::Instant::now() + plan.idle_timeout;
         let read = std::pin::pin!(up.read(pending.slice_mut(0..cap)));
-        let (res, slice) = match watch.race_until(Some(deadline), read).await {
+        let (res, slice) = match watch.race_until_drained(deadline, read, plan.drain).await {
             Err(Stopped::ClientGone) => return (RelayEnd::ClientGone, None),
-            Err(Stopped::TimedOut) if drain_ms != 0 && warmroute_shm::now_ms() >= drain_ms => {
+            Err(Stopped::TimedOut) if plan.drain.is_some_and(|d| d.passed()) => {
                 return (RelayEnd::Shutdown, None)
             }
             Err(Stopped::TimedOut) => {
@@ -649,7 +641,7 @@ mod tests {
                 idle_timeout: Duration::from_secs(10),
                 head_at: Instant::now(),
                 event_stream: true,
-                drain_deadline_ms: None,
+                drain: None,
             };
             let mut stats = RelayStats::default();
             let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
