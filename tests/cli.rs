@@ -533,12 +533,22 @@ fn streams_cut_at_the_drain_deadline_get_their_access_lines() {
     let open = |tokens: u32, sid: &str| open_every(tokens, sid, 100);
     let long = [open(600, "long-1"), open(600, "long-2")];
     let mut gap = open_every(3, "gap", 30_000);
+    // And a request whose peer takes 30 s to answer at all (a long prefill).
+    let mut prefill = connect(p.public);
+    prefill
+        .write_all(&post_json(
+            "/a/v1/chat/completions",
+            &chat_body("x", false),
+            "x-session-id: prefill\r\nx-mock-ttft-ms: 30000\r\n",
+        ))
+        .unwrap();
     let mut event = String::new();
     while !event.starts_with("data:") {
         event.clear();
         gap.read_line(&mut event).unwrap();
     }
-    // Waiting for the next event for longer than the wait takes to listen for a drain.
+    // Waiting for the next event (and for the head) for longer than a wait takes to listen
+    // for a drain.
     std::thread::sleep(Duration::from_millis(1_500));
     let short = open(10, "short");
     p.signal("INT");
@@ -547,6 +557,15 @@ fn streams_cut_at_the_drain_deadline_get_their_access_lines() {
         .expect("router exits at the drain deadline");
     assert!(status.success(), "{status:?}");
     drop((long, short, gap));
+    // The request still waiting for its answer got the router's own: 503, shutting down.
+    let answer = read_response(&mut BufReader::new(prefill), false).unwrap();
+    assert_eq!(answer.status, 503);
+    assert_eq!(
+        answer.json()["error"]["type"],
+        "shutting_down",
+        "{}",
+        answer.text()
+    );
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
         .unwrap_or_default()
         .lines()
@@ -568,11 +587,14 @@ fn streams_cut_at_the_drain_deadline_get_their_access_lines() {
             ("gap".to_string(), "shutdown".to_string()),
             ("long-1".to_string(), "shutdown".to_string()),
             ("long-2".to_string(), "shutdown".to_string()),
+            ("prefill".to_string(), "shutdown".to_string()),
             // The control: a stream that ended within the drain is complete.
             ("short".to_string(), "complete".to_string()),
         ],
         "{lines:#?}"
     );
+    let prefill_line = lines.iter().find(|l| l["session"] == "prefill").unwrap();
+    assert_eq!(prefill_line["status"], 503, "{prefill_line}");
 }
 
 #[test]

@@ -369,7 +369,7 @@ impl DrainWatch<'_> {
 
 /// How long a wait goes before it also listens for the drain: most waits end sooner, and
 /// pay nothing for it.
-const DRAIN_LISTEN_AFTER: Duration = Duration::from_secs(1);
+pub const DRAIN_LISTEN_AFTER: Duration = Duration::from_secs(1);
 
 /// Why a watched wait ended without its result.
 #[derive(Debug, PartialEq, Eq)]
@@ -425,12 +425,13 @@ impl<'a> ClientWatch<'a> {
     /// [`ClientWatch::race_until`], where the wait also ends at the router's drain deadline
     /// (`TimedOut`; [`DrainWatch::passed`] tells the two apart): a wait that starts while
     /// the router drains is cut there, and so is one that began before the drain and still
-    /// goes on (it listens for the drain's start once it has waited
-    /// `DRAIN_LISTEN_AFTER`). A response cut so ends with its access line, instead of
-    /// being dropped with the worker.
+    /// goes on (it listens for the drain's start from `listen_at`: the wait's start plus
+    /// `DRAIN_LISTEN_AFTER`, from the caller's clock reading). A response cut so ends with
+    /// its access line, instead of being dropped with the worker.
     pub async fn race_until_drained<F: Future>(
         &mut self,
         deadline: Instant,
+        listen_at: Instant,
         mut other: Pin<&mut F>,
         drain: Option<DrainWatch<'_>>,
     ) -> Result<F::Output, Stopped> {
@@ -438,7 +439,6 @@ impl<'a> ClientWatch<'a> {
             return self.race_until(Some(deadline), other).await;
         };
         if !drain.started.is_fired() {
-            let listen_at = Instant::now() + DRAIN_LISTEN_AFTER;
             if deadline <= listen_at {
                 return self.race_until(Some(deadline), other).await;
             }

@@ -36,6 +36,10 @@ pub enum ProxyError {
     UpstreamClosed {
         peer: String,
     },
+    /// The router's drain deadline came while the peer had not answered yet.
+    ShuttingDown {
+        peer: String,
+    },
     ClientGone,
     Forbidden(&'static str),
     BadParam(String),
@@ -85,7 +89,7 @@ impl ProxyError {
             ProxyError::BodyTooLarge { .. } => 413,
             ProxyError::BadChunkedBody | ProxyError::BadParam(_) => 400,
             ProxyError::UnknownRoute { .. } | ProxyError::NotFound => 404,
-            ProxyError::NoHealthyPeer => 503,
+            ProxyError::NoHealthyPeer | ProxyError::ShuttingDown { .. } => 503,
             ProxyError::ConnectFailed { .. }
             | ProxyError::BadUpstreamResponse { .. }
             | ProxyError::UpstreamClosed { .. } => 502,
@@ -116,6 +120,7 @@ impl ProxyError {
             ProxyError::UpstreamTimeout { .. } => "upstream_timeout",
             ProxyError::BadUpstreamResponse { .. } => "bad_upstream_response",
             ProxyError::UpstreamClosed { .. } => "upstream_closed",
+            ProxyError::ShuttingDown { .. } => "shutting_down",
             ProxyError::ClientGone => "client_gone",
             ProxyError::Forbidden(_) => "forbidden",
             ProxyError::BadParam(_) => "bad_parameter",
@@ -151,6 +156,9 @@ impl ProxyError {
             ProxyError::UpstreamClosed { peer } => {
                 format!("{peer} closed the connection before responding")
             }
+            ProxyError::ShuttingDown { peer } => {
+                format!("the router is shutting down and {peer} had not responded by its drain deadline")
+            }
             ProxyError::ClientGone => "client closed the connection".into(),
             ProxyError::Forbidden(m) => (*m).into(),
             ProxyError::BadParam(m) => m.clone(),
@@ -175,6 +183,7 @@ impl ProxyError {
     pub fn headers(&self) -> &'static [(&'static str, &'static str)] {
         match self {
             ProxyError::NoHealthyPeer => &[("Retry-After", "5")],
+            ProxyError::ShuttingDown { .. } => &[("Retry-After", "1")],
             ProxyError::ConcurrencyLimit(_) | ProxyError::LatencyShed { .. } => {
                 &[("Retry-After", "1")]
             }

@@ -14,7 +14,7 @@ use crate::limits::{INLINE_BODY_BYTES_MAX, INTERIM_RESPONSES_MAX, RELAY_READ_BUF
 use crate::snapshot::PeerRt;
 use crate::upstream::UpstreamPool;
 
-use super::client::{ClientWatch, Stopped};
+use super::client::{ClientWatch, DrainWatch, Stopped, DRAIN_LISTEN_AFTER};
 
 /// Headers the proxy sets itself and so never copies from the client.
 fn replaced_by_proxy(name: &[u8]) -> bool {
@@ -101,6 +101,8 @@ pub enum ExchangeError {
     /// The peer sent something that is not an HTTP response.
     Bad(&'static str),
     ClientGone,
+    /// No response head by the router's drain deadline.
+    Shutdown,
 }
 
 impl ExchangeError {
@@ -131,11 +133,14 @@ pub struct Exchanged {
 }
 
 /// Per-request settings of an exchange.
-pub struct Timeouts {
+pub struct Timeouts<'a> {
     pub connect: Duration,
     pub first_byte: Duration,
     /// The request is HEAD: the response has no body whatever its headers say.
     pub head_request: bool,
+    /// The router's drain: the wait for the response head ends at its deadline at the
+    /// latest (`ExchangeError::Shutdown`).
+    pub drain: Option<DrainWatch<'a>>,
 }
 
 /// Send one request to `peer` and wait for its response head. A pooled connection that
@@ -153,7 +158,7 @@ pub async fn exchange(
     req: Vec<u8>,
     body: &mut Option<Vec<u8>>,
     buf: Vec<u8>,
-    t: &Timeouts,
+    t: &Timeouts<'_>,
     watch: &mut ClientWatch<'_>,
 ) -> Result<Exchanged, ExchangeError> {
     let pooled = pool.borrow_mut().take(peer.addr, now);
@@ -274,7 +279,7 @@ async fn send_and_read_head(
     req: Vec<u8>,
     body: &mut Option<Vec<u8>>,
     mut buf: Vec<u8>,
-    t: &Timeouts,
+    t: &Timeouts<'_>,
     reused: bool,
     watch: &mut ClientWatch<'_>,
 ) -> Result<HeadResult, SendFailure> {
@@ -313,7 +318,8 @@ async fn send_and_read_head(
     }
     // The first-byte wait starts once the request is written (a peer may read a large
     // body slowly).
-    let deadline = monoio::time::Instant::now() + first_byte;
+    let start = monoio::time::Instant::now();
+    let (deadline, listen_at) = (start + first_byte, start + DRAIN_LISTEN_AFTER);
     let mut interim = Vec::new();
     let mut interims = 0;
     let mut first_byte_at = None;
@@ -328,10 +334,15 @@ async fn send_and_read_head(
         let cap = buf.capacity();
         let got = {
             let read = std::pin::pin!(stream.read(buf.slice_mut(len..cap)));
-            watch.race_until(Some(deadline), read).await
+            watch
+                .race_until_drained(deadline, listen_at, read, t.drain)
+                .await
         };
         let (res, slice) = match got {
             Err(Stopped::ClientGone) => return Err((gone(), Vec::new(), None)),
+            Err(Stopped::TimedOut) if t.drain.is_some_and(|d| d.passed()) => {
+                return Err((SendError::Fatal(ExchangeError::Shutdown), Vec::new(), None))
+            }
             Err(Stopped::TimedOut) => {
                 return Err((SendError::Fatal(ExchangeError::Timeout), Vec::new(), None))
             }

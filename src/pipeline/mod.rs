@@ -717,6 +717,10 @@ async fn proxy(
         connect: Duration::from_millis(opts.connect_timeout_ms),
         first_byte: Duration::from_millis(opts.first_byte_timeout_ms),
         head_request: head.method_bytes() == b"HEAD",
+        drain: Some(client::DrainWatch {
+            deadline_ms: &ctx.shared.drain_deadline_ms,
+            started: &ctx.drain,
+        }),
     };
     let authorization = opts
         .upstream_api_key
@@ -875,6 +879,12 @@ async fn proxy(
                 }
                 Err(ExchangeError::Timeout) => {
                     outcome = fail(ProxyError::UpstreamTimeout {
+                        peer: peer.name.clone(),
+                    });
+                    break;
+                }
+                Err(ExchangeError::Shutdown) => {
+                    outcome = fail(ProxyError::ShuttingDown {
                         peer: peer.name.clone(),
                     });
                     break;
@@ -1154,10 +1164,10 @@ async fn proxy(
                 capture.as_mut(),
             )
             .await;
-            let end = if matches!(e, ProxyError::ClientGone) {
-                relay::END_CLIENT_GONE
-            } else {
-                relay::END_COMPLETE
+            let end = match e {
+                ProxyError::ClientGone => relay::END_CLIENT_GONE,
+                ProxyError::ShuttingDown { .. } => relay::END_SHUTDOWN,
+                _ => relay::END_COMPLETE,
             };
             let stats = RelayStats {
                 body_bytes,

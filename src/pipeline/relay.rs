@@ -14,7 +14,7 @@ use crate::transform::UsageFrameFilter;
 
 use monoio::io::OwnedWriteHalf;
 
-use super::client::{write_client, ClientWatch, DrainWatch, Stopped};
+use super::client::{write_client, ClientWatch, DrainWatch, Stopped, DRAIN_LISTEN_AFTER};
 use crate::worker::Spares;
 
 /// How the relay ended.
@@ -481,9 +481,13 @@ pub async fn relay(
         // write — not from the peer's last bytes: a client slow to take them is not an
         // idle peer (and on io_uring the read's first poll only submits it, so an
         // already passed deadline would win even with bytes waiting).
-        let deadline = monoio::time::Instant::now() + plan.idle_timeout;
+        let now = monoio::time::Instant::now();
+        let (deadline, listen_at) = (now + plan.idle_timeout, now + DRAIN_LISTEN_AFTER);
         let read = std::pin::pin!(up.read(pending.slice_mut(0..cap)));
-        let (res, slice) = match watch.race_until_drained(deadline, read, plan.drain).await {
+        let (res, slice) = match watch
+            .race_until_drained(deadline, listen_at, read, plan.drain)
+            .await
+        {
             Err(Stopped::ClientGone) => return (RelayEnd::ClientGone, None),
             Err(Stopped::TimedOut) if plan.drain.is_some_and(|d| d.passed()) => {
                 return (RelayEnd::Shutdown, None)
