@@ -14,7 +14,7 @@ use crate::limits::{INLINE_BODY_BYTES_MAX, INTERIM_RESPONSES_MAX, RELAY_READ_BUF
 use crate::snapshot::PeerRt;
 use crate::upstream::UpstreamPool;
 
-use super::client::{ClientWatch, DrainWatch, Stopped, DRAIN_LISTEN_AFTER};
+use super::client::{race_until_drained, ClientWatch, DrainWatch, Stopped, DRAIN_LISTEN_AFTER};
 
 /// Headers the proxy sets itself and so never copies from the client.
 fn replaced_by_proxy(name: &[u8]) -> bool {
@@ -334,9 +334,7 @@ async fn send_and_read_head(
         let cap = buf.capacity();
         let got = {
             let read = std::pin::pin!(stream.read(buf.slice_mut(len..cap)));
-            watch
-                .race_until_drained(deadline, listen_at, read, t.drain)
-                .await
+            race_until_drained!(watch, deadline, listen_at, read, t.drain)
         };
         let (res, slice) = match got {
             Err(Stopped::ClientGone) => return Err((gone(), Vec::new(), None)),

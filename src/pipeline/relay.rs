@@ -14,7 +14,9 @@ use crate::transform::UsageFrameFilter;
 
 use monoio::io::OwnedWriteHalf;
 
-use super::client::{write_client, ClientWatch, DrainWatch, Stopped, DRAIN_LISTEN_AFTER};
+use super::client::{
+    race_until_drained, write_client, ClientWatch, DrainWatch, Stopped, DRAIN_LISTEN_AFTER,
+};
 use crate::worker::Spares;
 
 /// How the relay ended.
@@ -484,10 +486,7 @@ pub async fn relay(
         let now = monoio::time::Instant::now();
         let (deadline, listen_at) = (now + plan.idle_timeout, now + DRAIN_LISTEN_AFTER);
         let read = std::pin::pin!(up.read(pending.slice_mut(0..cap)));
-        let (res, slice) = match watch
-            .race_until_drained(deadline, listen_at, read, plan.drain)
-            .await
-        {
+        let (res, slice) = match race_until_drained!(watch, deadline, listen_at, read, plan.drain) {
             Err(Stopped::ClientGone) => return (RelayEnd::ClientGone, None),
             Err(Stopped::TimedOut) if plan.drain.is_some_and(|d| d.passed()) => {
                 return (RelayEnd::Shutdown, None)
