@@ -241,6 +241,11 @@ const RESETTING: u32 = 1 << 31;
 const LEASE_CLAIMING: u64 = 1 << 63;
 /// A lease claim marker older than this is from a process that died mid-claim.
 const LEASE_CLAIM_STALE_MS: u64 = 5_000;
+/// A lease expiry further than this beyond `now + ttl` was set before the wall clock
+/// stepped back (no holder renews that far ahead), and counts as expired. Otherwise a
+/// holder that died just after such a step would keep the lease, and the probes, for as
+/// long as the step.
+const LEASE_CLOCK_STEP_MS: u64 = 1_000;
 /// A slot stuck in `WRITING` longer than this is treated as abandoned.
 const SLOT_WRITE_STALE: Duration = Duration::from_secs(2);
 /// A slot-table lock is taken over from a holder that is dead and has held it this
@@ -1228,10 +1233,17 @@ impl Segment {
             let cur = h.lease_holder.load(Ordering::Acquire);
             let claiming = e & LEASE_CLAIMING != 0;
             let free = if claiming {
-                // Somebody is mid-claim; only a marker left by a dead claimer is up for grabs.
-                now_ms > (e & !LEASE_CLAIMING).saturating_add(LEASE_CLAIM_STALE_MS)
+                // Somebody is mid-claim; only a marker left by a dead claimer is up for grabs
+                // (or one "from the future": the clock stepped back since it was set).
+                let at = e & !LEASE_CLAIMING;
+                now_ms > at.saturating_add(LEASE_CLAIM_STALE_MS)
+                    || at > now_ms.saturating_add(LEASE_CLAIM_STALE_MS)
             } else {
-                cur == 0 || e <= now_ms
+                cur == 0
+                    || e <= now_ms
+                    || e > now_ms
+                        .saturating_add(ttl_ms)
+                        .saturating_add(LEASE_CLOCK_STEP_MS)
             };
             if !claiming && cur == holder {
                 // Renew. The holder only changes after a CAS on `lease_expires`, so if this CAS

@@ -487,6 +487,32 @@ fn lease_acquire_renew_expire_takeover() {
 }
 
 #[test]
+fn a_lease_set_before_the_clock_stepped_back_does_not_outlive_its_holder() {
+    let t = TempPath::new("lease-step");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let hour = 3_600_000;
+    assert!(s.try_lease(1, 10 * hour, 2_000));
+    // Control: on the same clock, the lease is held until it expires, even within the
+    // step margin.
+    assert!(!s.try_lease(2, 10 * hour - LEASE_CLOCK_STEP_MS, 2_000));
+    assert!(!s.try_lease(2, 10 * hour + 1_999, 2_000));
+    // The wall clock steps back an hour and holder 1 dies (it renews no more): its
+    // expiry is an hour ahead, and another worker takes the lease at once.
+    assert!(s.try_lease(2, 9 * hour, 2_000));
+    assert_eq!(s.lease(), (2, 9 * hour + 2_000));
+    assert!(
+        !s.try_lease(1, 9 * hour + 500, 2_000),
+        "the old holder lost it"
+    );
+    // So is a claim marker left by a claimer that died before the step.
+    s.header()
+        .lease_expires
+        .store(LEASE_CLAIMING | (10 * hour), Ordering::Release);
+    assert!(!s.try_lease(3, 10 * hour, 2_000), "a fresh marker holds");
+    assert!(s.try_lease(3, 9 * hour, 2_000));
+}
+
+#[test]
 fn lease_has_one_winner_under_contention() {
     let t = TempPath::new("lease-mt");
     let s = Arc::new(Segment::open_or_create(&t.0, small()).unwrap());
