@@ -371,11 +371,16 @@ impl DrainWatch<'_> {
 /// pay nothing for it.
 pub const DRAIN_LISTEN_AFTER: Duration = Duration::from_secs(1);
 
-/// `watch.race_until(deadline, fut)` that also ends at the router's drain deadline (see
-/// [`ClientWatch::first_leg`]): `race_until_drained!(watch, deadline, listen_at, fut,
-/// drain)`, with `fut` pinned. A macro, not an async fn, so that the usual short wait
-/// costs what a plain `race_until` does (an async fn around it cost about 120
-/// instructions per request on the json path, in callgrind).
+/// `race_until_drained!(watch, deadline, listen_at, fut, drain)`, with `fut` pinned:
+/// `watch.race_until(Some(deadline), fut)`, where the wait also ends at the router's drain
+/// deadline (`Stopped::TimedOut`; [`DrainWatch::passed`] tells the two apart). A wait that
+/// starts while the router drains is cut there, and so is one that began before the drain
+/// and still goes on: it listens for the drain's start from `listen_at` (the wait's start
+/// plus [`DRAIN_LISTEN_AFTER`], from the caller's clock reading). A response cut so ends
+/// with its access line, instead of being dropped with the worker.
+///
+/// A macro, not an async fn, so that the usual short wait costs what a plain `race_until`
+/// does (an async fn around it cost about 120 instructions per json request in callgrind).
 macro_rules! race_until_drained {
     ($watch:expr, $deadline:expr, $listen_at:expr, $fut:expr, $drain:expr) => {{
         let (deadline, drain) = ($deadline, $drain);
@@ -442,16 +447,10 @@ impl<'a> ClientWatch<'a> {
         std::future::poll_fn(move |cx| self.poll_race(cx, deadline, &mut other))
     }
 
-    /// [`ClientWatch::race_until`], where the wait also ends at the router's drain deadline
-    /// (`TimedOut`; [`DrainWatch::passed`] tells the two apart): a wait that starts while
-    /// the router drains is cut there, and so is one that began before the drain and still
-    /// goes on (it listens for the drain's start from `listen_at`: the wait's start plus
-    /// `DRAIN_LISTEN_AFTER`, from the caller's clock reading). A response cut so ends with
-    /// its access line, instead of being dropped with the worker.
-    ///
-    /// This is the deadline of the wait's first leg; [`race_until_drained!`] runs the
-    /// rest. The first leg (all of a short wait) is a plain `race_until`, and only a wait
-    /// that reaches `listen_at` enters [`ClientWatch::race_rest_drained`].
+    /// The deadline of the first leg of a `race_until_drained!` wait: `deadline`, or the
+    /// drain deadline when the router already drains, or `listen_at` when that comes
+    /// first. The first leg (all of a short wait) is a plain `race_until`; only a wait
+    /// that reaches `listen_at` goes on in [`ClientWatch::race_rest_drained`].
     pub fn first_leg(
         deadline: Instant,
         listen_at: Instant,
