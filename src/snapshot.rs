@@ -249,7 +249,7 @@ impl Snapshot {
             models_sorted.sort();
             models_sorted.dedup();
             by_name.insert(rc.name.clone(), routes.len());
-            routes.push(Arc::new(RouteRt {
+            routes.push(RouteRt {
                 cfg: rc.clone(),
                 slot,
                 pools,
@@ -268,23 +268,32 @@ impl Snapshot {
                         rc.name
                     )
                 })?,
-                // Resolved here, not at the first hit: inserting takes the slot table's
-                // lock, which the data path never does.
-                rule_slots: rc
-                    .opts
-                    .reject_rules_compiled
-                    .rules
-                    .iter()
-                    .map(|r| {
-                        let slot = seg.route_slot(&crate::cells::rule_slot_key(&rc.name, &r.name));
-                        if slot.is_none() {
-                            tracing::warn!(route = %rc.name, rule = %r.name, "shared segment has no free row for this rule's hit counter");
-                        }
-                        slot
-                    })
-                    .collect(),
-            }));
+                rule_slots: Vec::new(),
+            });
         }
+        // The rules' hit counters, resolved here rather than at a rule's first hit (an
+        // insert takes the slot table's lock, which the data path never does), and after
+        // every route's own rows: a configuration with many rules is never refused for
+        // want of a slot, its rules' hits go uncounted instead.
+        let mut uncounted = 0usize;
+        for route in &mut routes {
+            let rules = &route.cfg.opts.reject_rules_compiled.rules;
+            route.rule_slots = rules
+                .iter()
+                .map(|r| {
+                    let slot = seg.route_slot(&crate::cells::rule_slot_key(route.name(), &r.name));
+                    uncounted += usize::from(slot.is_none());
+                    slot
+                })
+                .collect();
+        }
+        if uncounted > 0 {
+            tracing::warn!(
+                rules = uncounted,
+                "shared segment has no free row for the hit counters of these reject rules; their hits go uncounted"
+            );
+        }
+        let routes: Vec<Arc<RouteRt>> = routes.into_iter().map(Arc::new).collect();
         let mut names: Vec<String> = routes
             .iter()
             .flat_map(|r| r.keys.owners())
@@ -378,6 +387,45 @@ mod tests {
         assert_ne!(a, b);
         let short = peer_key("chat", None, "10.0.0.1:8000".parse().unwrap());
         assert_eq!(short, "chat//10.0.0.1:8000");
+    }
+
+    /// A configuration with more reject rules than free route slots still builds: every
+    /// route gets its own rows first, and the rules left over go uncounted.
+    #[test]
+    fn rules_never_take_the_slots_routes_need() {
+        let path = std::env::temp_dir().join(format!(
+            "warmroute-snapshot-unit-{}-rules",
+            std::process::id()
+        ));
+        let seg = Segment::open_or_create(
+            &path,
+            warmroute_shm::Capacities {
+                workers: 2,
+                peers: 16,
+                routes: 16,
+            },
+        )
+        .unwrap();
+        let peers =
+            "peers = [ { host = \"127.0.0.1\", port = 8001 } ]\nreject_rules_enabled = true\n";
+        let mut many = String::from(peers);
+        for k in 0..8 {
+            many.push_str(&format!(
+                "[[reject_rules]]\nname = \"r{k}\"\nfield = \"model\"\nop = \"eq\"\nvalue = \"m{k}\"\n"
+            ));
+        }
+        // "a" (6 rows, 8 rules) sorts before "b" (6 rows): 20 rows wanted, 16 there.
+        let cfg = crate::config::load_from_strs(None, &[("a", many.as_str()), ("b", peers)])
+            .unwrap_or_else(|e| panic!("config: {e:?}"));
+        let keys = Arc::new(crate::auth::load_key_file(None));
+        let snap = Snapshot::build(Arc::new(cfg), keys, &seg, 1);
+        let _ = std::fs::remove_file(&path);
+        let snap = snap.expect("the routes' own rows come first");
+        let a = snap.route("a").unwrap();
+        assert_eq!(a.rule_slots.len(), 8);
+        assert_eq!(a.rule_slots.iter().filter(|s| s.is_some()).count(), 4);
+        assert!(snap.route("b").unwrap().rule_slots.is_empty());
+        assert_eq!(seg.slots_taken().1, 16);
     }
 
     #[test]
