@@ -26,9 +26,10 @@ const LEASE_TTL_MS: u64 = 2_000;
 const DEAD_ROW_QUIET_MS: u64 = 2_000;
 /// A peer or route slot nobody has stamped as in use for this long (a peer's also with
 /// nothing in flight) is freed for reuse: the peers, routes, pools, rules and key owners
-/// that no reload, no draining router and no request uses any more. Every worker of every process stamps its slots each second
-/// (`worker::SLOT_STAMP`); the margin covers a startup between building the first
-/// snapshot (which stamps it) and the workers' first stamp.
+/// that no reload, no draining router and no request uses any more. Every worker of every
+/// process stamps its slots each second (`worker::SLOT_STAMP`); the margin covers a
+/// startup between building the first snapshot (which stamps it) and the workers' first
+/// stamp.
 pub const SLOT_IDLE_MS: u64 = 10_000;
 /// Nothing is freed while some worker row has gone this long without a heartbeat: a
 /// stalled process stamps nothing either.
