@@ -389,8 +389,8 @@ impl Router {
         let snap = Snapshot::build(fresh.clone(), keys.clone(), &self.seg, self.generation + 1)
             .map_err(|e| {
                 vec![ConfigError {
-                    file: PathBuf::from("(segment)"),
-                    field: "peers".into(),
+                    file: self.config.server.shm_path.clone(),
+                    field: "(slots)".into(),
                     message: e,
                 }]
             })?;

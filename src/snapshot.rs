@@ -181,6 +181,23 @@ pub(crate) fn shorten_key(key: String) -> String {
     format!("{}#{sum:08x}", &key[..cut])
 }
 
+/// Why a snapshot cannot be built: the segment's peer (`peer`) or route table has no free
+/// slot for `what`. Says how full the table is and what frees slots.
+fn full(seg: &Segment, peer: bool, what: &str) -> String {
+    let (peers, routes) = seg.slots_taken();
+    let caps = seg.caps();
+    let (table, taken, cap) = if peer {
+        ("peer", peers, caps.peers)
+    } else {
+        ("route", routes, caps.routes)
+    };
+    format!(
+        "shared segment has no free {table} slot for {what} ({taken} of {cap} taken). \
+         The slots of peers and routes that no configuration uses any more are freed once \
+         nothing has used them for 10 s: retry the reload then."
+    )
+}
+
 impl Snapshot {
     /// Resolve every route and peer to its segment slot.
     pub fn build(
@@ -195,7 +212,7 @@ impl Snapshot {
         for rc in &config.routes {
             let slot = seg
                 .route_slot(&shorten_key(rc.name.clone()))
-                .ok_or_else(|| format!("shared segment has no free route slot for {}", rc.name))?;
+                .ok_or_else(|| full(seg, false, &format!("route {}", rc.name)))?;
             let mut pools = Vec::with_capacity(rc.pools.len());
             for pool in &rc.pools {
                 let mut peers = Vec::with_capacity(pool.peers.len());
@@ -203,7 +220,7 @@ impl Snapshot {
                     let key = peer_key(&rc.name, pool.model.as_deref(), p.addr);
                     let slot = seg
                         .peer_slot(&key)
-                        .ok_or_else(|| format!("shared segment has no free peer slot for {key}"))?;
+                        .ok_or_else(|| full(seg, true, &format!("peer {key}")))?;
                     peers.push(PeerRt {
                         name: p.name.clone(),
                         addr: p.addr,
@@ -226,12 +243,7 @@ impl Snapshot {
                     &rc.name,
                     pool.model.as_deref(),
                 )
-                .ok_or_else(|| {
-                    format!(
-                        "shared segment has no free slot for the state of route {}",
-                        rc.name
-                    )
-                })?;
+                .ok_or_else(|| full(seg, false, &format!("the state of route {}", rc.name)))?;
                 pools.push(PoolRt {
                     model: pool.model.clone(),
                     peers,
@@ -255,17 +267,14 @@ impl Snapshot {
                 pools,
                 keys: route_keys,
                 models_sorted,
-                prio_slot: crate::control::prio_state::slot(seg, &rc.name).ok_or_else(|| {
-                    format!(
-                        "shared segment has no free slot for the state of route {}",
-                        rc.name
-                    )
-                })?,
+                prio_slot: crate::control::prio_state::slot(seg, &rc.name)
+                    .ok_or_else(|| full(seg, false, &format!("the state of route {}", rc.name)))?,
                 prio_table: crate::control::prio_state::table(&rc.opts),
                 status_slot: crate::cells::status::slot(seg, &rc.name).ok_or_else(|| {
-                    format!(
-                        "shared segment has no free slot for the status counts of route {}",
-                        rc.name
+                    full(
+                        seg,
+                        false,
+                        &format!("the status counts of route {}", rc.name),
                     )
                 })?,
                 rule_slots: Vec::new(),

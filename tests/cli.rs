@@ -1820,9 +1820,14 @@ fn reloads_that_rename_routes_free_the_slots_of_the_old_ones() {
             );
             std::thread::sleep(Duration::from_millis(700));
         }
-        // The rule's counter counts this generation's one hit, even in a reused slot.
-        let st = request(p.public, &get(&format!("/g{g}-r0/_reject_rules_status"))).json();
-        assert_eq!(st["rules"][3]["name"], "rule3", "{st}");
+        // The rule's counter counts this generation's one hit, even in a reused slot. (The
+        // other worker takes the new snapshot on its next tick: until then it knows no
+        // such route.)
+        let mut st = serde_json::Value::Null;
+        eventually(Duration::from_secs(5), "the route on every worker", || {
+            st = request(p.public, &get(&format!("/g{g}-r0/_reject_rules_status"))).json();
+            st["rules"][3]["name"] == "rule3"
+        });
         assert_eq!(st["rules"][3]["hits"], 1, "{st}");
         assert_eq!(st["rules"][2]["hits"], 0, "{st}");
     }
@@ -1830,6 +1835,18 @@ fn reloads_that_rename_routes_free_the_slots_of_the_old_ones() {
         log().contains("freed the segment slots of routes"),
         "{}",
         log()
+    );
+    // The reloads refused on the way said which table was full, how full, and what frees it.
+    let refusal = log()
+        .lines()
+        .find(|l| l.contains("reload refused") && l.contains("no free route slot"))
+        .map(String::from)
+        .unwrap_or_else(|| panic!("no refusal logged:\n{}", log()));
+    assert!(
+        refusal.contains("(slots): shared segment has no free route slot for ")
+            && refusal.contains(" of 8192 taken). The slots of peers and routes")
+            && refusal.contains("retry the reload then"),
+        "{refusal}"
     );
     // Generations 1 to 4 go; the first configuration (`keep` and its owner too) stays while
     // its request is in flight.
