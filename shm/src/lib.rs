@@ -837,25 +837,20 @@ impl Segment {
     /// its ban, cells and stamp reset. Takes the slot-table lock (never on the data path).
     pub fn peer_slot(&self, key: &str) -> Option<PeerSlot> {
         let rows = self.peer_rows();
-        let _lock = self.lock_slots(&self.header().peer_slot_lock);
-        let now = now_ms();
-        let i = slot_lookup(
+        self.insert_stamped(
+            &self.header().peer_slot_lock,
             rows.len(),
-            |i| &rows[i].key,
+            |i| (&rows[i].key, &rows[i].last_ref_ms),
             key,
-            true,
             |i| {
-                let row = &rows[i];
-                row.banned_until_ms.store(0, Ordering::Relaxed);
-                for c in &row.cells {
-                    c.store(0, Ordering::Relaxed);
-                }
-                row.last_ref_ms.store(now, Ordering::Relaxed);
+                rows[i].banned_until_ms.store(0, Ordering::Relaxed);
+                rows[i]
+                    .cells
+                    .iter()
+                    .for_each(|c| c.store(0, Ordering::Relaxed));
             },
-        )?;
-        // Under the lock, so no free round can take the slot between finding and stamping.
-        rows[i].last_ref_ms.fetch_max(now, Ordering::Relaxed);
-        Some(PeerSlot(i as u32))
+        )
+        .map(|i| PeerSlot(i as u32))
     }
     /// Find or insert the route slot of `key`, and stamp it as used now (see
     /// [`Segment::touch_route`]). As [`Segment::peer_slot`]: the same key gets the same slot
@@ -864,23 +859,47 @@ impl Segment {
     /// route slot-table lock (never on the data path).
     pub fn route_slot(&self, key: &str) -> Option<RouteSlot> {
         let rows = self.route_rows();
-        let _lock = self.lock_slots(&self.header().route_slot_lock);
+        self.insert_stamped(
+            &self.header().route_slot_lock,
+            rows.len(),
+            |i| (&rows[i].key, &rows[i].last_ref_ms),
+            key,
+            |i| {
+                rows[i]
+                    .cells
+                    .iter()
+                    .for_each(|c| c.store(0, Ordering::Relaxed))
+            },
+        )
+        .map(|i| RouteSlot(i as u32))
+    }
+
+    /// Find or insert `key` in a table of `n` slots (slot `i`'s key record and use stamp
+    /// from `row(i)`) under the table's slot lock `lock`, and stamp the slot as used now. A
+    /// reused slot gets `reset(i)` (its values) and a fresh stamp before it is published.
+    fn insert_stamped<'a>(
+        &'a self,
+        lock: &'a AtomicU64,
+        n: usize,
+        row: impl Fn(usize) -> (&'a KeyRec, &'a AtomicU64),
+        key: &str,
+        reset: impl Fn(usize),
+    ) -> Option<usize> {
+        let _lock = self.lock_slots(lock);
         let now = now_ms();
         let i = slot_lookup(
-            rows.len(),
-            |i| &rows[i].key,
+            n,
+            |i| row(i).0,
             key,
             true,
             |i| {
-                let row = &rows[i];
-                for c in &row.cells {
-                    c.store(0, Ordering::Relaxed);
-                }
-                row.last_ref_ms.store(now, Ordering::Relaxed);
+                reset(i);
+                row(i).1.store(now, Ordering::Relaxed);
             },
         )?;
-        rows[i].last_ref_ms.fetch_max(now, Ordering::Relaxed);
-        Some(RouteSlot(i as u32))
+        // Under the lock, so no free round can take the slot between finding and stamping.
+        row(i).1.fetch_max(now, Ordering::Relaxed);
+        Some(i)
     }
     /// Look up a peer slot without inserting (nor stamping).
     pub fn find_peer_slot(&self, key: &str) -> Option<PeerSlot> {
@@ -898,10 +917,7 @@ impl Segment {
     /// touch: those of its current configuration and of any older one a request or task
     /// still holds. A stamp never moves back (a clock stepped back leaves it ahead).
     pub fn touch_peer(&self, p: PeerSlot, now_ms: u64) {
-        let c = &self.peer(p).last_ref_ms;
-        if c.load(Ordering::Relaxed) < now_ms {
-            c.store(now_ms, Ordering::Relaxed);
-        }
+        stamp(&self.peer(p).last_ref_ms, now_ms);
     }
     /// When peer slot `p` was last stamped as used (ms since the epoch).
     pub fn peer_last_ref_ms(&self, p: PeerSlot) -> u64 {
@@ -909,10 +925,7 @@ impl Segment {
     }
     /// Stamp route slot `r` as still used at `now_ms`, as [`Segment::touch_peer`] does.
     pub fn touch_route(&self, r: RouteSlot, now_ms: u64) {
-        let c = &self.route_rows()[r.0 as usize].last_ref_ms;
-        if c.load(Ordering::Relaxed) < now_ms {
-            c.store(now_ms, Ordering::Relaxed);
-        }
+        stamp(&self.route_rows()[r.0 as usize].last_ref_ms, now_ms);
     }
     /// When route slot `r` was last stamped as used (ms since the epoch).
     pub fn route_last_ref_ms(&self, r: RouteSlot) -> u64 {
@@ -1313,6 +1326,15 @@ impl Drop for SlotLock<'_> {
 
 fn owner(v: u32) -> Option<u32> {
     (v != 0 && v & RESETTING == 0).then_some(v)
+}
+
+/// Stamp a slot as used at `now_ms`, unless it already holds a later time (a clock stepped
+/// back leaves it ahead). A load and a store, not a read-modify-write: two stampers racing
+/// may leave the older of two nearly equal times, which is harmless.
+fn stamp(last_ref_ms: &AtomicU64, now_ms: u64) {
+    if last_ref_ms.load(Ordering::Relaxed) < now_ms {
+        last_ref_ms.store(now_ms, Ordering::Relaxed);
+    }
 }
 
 /// One step of a free round (the table's slot lock held): an `ABANDONED` slot (an insert
