@@ -515,20 +515,13 @@ fn streams_cut_at_the_drain_deadline_get_their_access_lines() {
     // and one whose next event is due 30 s after the one before: the router waits for it
     // from before the drain, and that wait must end at the deadline too.
     let open_every = |tokens: u32, sid: &str, interval_ms: u32| {
-        let mut s = connect(p.public);
-        s.write_all(&post_json(
-            "/a/v1/chat/completions",
-            &chat_body("x", true),
+        open_stream(
+            p.public,
+            "a",
             &format!(
                 "x-session-id: {sid}\r\nx-mock-tokens: {tokens}\r\nx-mock-interval-ms: {interval_ms}\r\n"
             ),
-        ))
-        .unwrap();
-        let mut r = BufReader::new(s);
-        let mut line = String::new();
-        r.read_line(&mut line).unwrap();
-        assert!(line.starts_with("HTTP/1.1 200"), "{line}");
-        r
+        )
     };
     let open = |tokens: u32, sid: &str| open_every(tokens, sid, 100);
     let long = [open(600, "long-1"), open(600, "long-2")];
@@ -1622,14 +1615,24 @@ fn status_row(text: &str, key: &str) -> Option<Vec<String>> {
         .map(|l| l.split_whitespace().map(String::from).collect())
 }
 
-/// A streaming chat request through `public` that the engine stretches over a minute (the
-/// test drops it when done with it), once its response has started.
+/// A streaming chat request to route `live` through `public` that the engine stretches over
+/// a minute (the test drops it when done with it), once its response has started.
 fn long_stream(public: SocketAddr) -> BufReader<std::net::TcpStream> {
+    open_stream(
+        public,
+        "live",
+        "x-mock-tokens: 600\r\nx-mock-interval-ms: 100\r\n",
+    )
+}
+
+/// A streaming chat request to `route` through `public` with `headers` (each ending in
+/// CRLF), once its response has started with a 200.
+fn open_stream(public: SocketAddr, route: &str, headers: &str) -> BufReader<std::net::TcpStream> {
     let mut s = connect(public);
     s.write_all(&post_json(
-        "/live/v1/chat/completions",
+        &format!("/{route}/v1/chat/completions"),
         &chat_body("x", true),
-        "x-mock-tokens: 600\r\nx-mock-interval-ms: 100\r\n",
+        headers,
     ))
     .unwrap();
     let mut r = BufReader::new(s);
@@ -1779,17 +1782,11 @@ fn reloads_that_rename_routes_free_the_slots_of_the_old_ones() {
     );
     // A stream on `keep`, which the first reload drops, in flight throughout: it holds the
     // first configuration (its routes, rules and pools) until it ends.
-    let mut s = connect(p.public);
-    s.write_all(&post_json(
-        "/keep/v1/chat/completions",
-        &chat_body("x", true),
+    let mut stream = open_stream(
+        p.public,
+        "keep",
         "Authorization: Bearer keep-key\r\nx-mock-tokens: 600\r\nx-mock-interval-ms: 100\r\n",
-    ))
-    .unwrap();
-    let mut stream = BufReader::new(s);
-    let mut line = String::new();
-    stream.read_line(&mut line).unwrap();
-    assert!(line.starts_with("HTTP/1.1 200"), "{line}");
+    );
     std::fs::remove_file(routes.join("keep.toml")).unwrap();
     // Five reloads, each renaming every route of the generation: the fourth needs the slots
     // of the second (the first is held), the fifth those of the third. A reload refused
@@ -1859,7 +1856,7 @@ fn reloads_that_rename_routes_free_the_slots_of_the_old_ones() {
         Some(2 * per_gen + 14),
         "the first configuration's slots stay under its request"
     );
-    line.clear();
+    let mut line = String::new();
     stream.read_line(&mut line).unwrap();
     assert!(!line.is_empty(), "the stream still flows");
     // Once the request ends, they go too.
