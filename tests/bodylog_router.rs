@@ -379,9 +379,7 @@ fn refused_requests_reach_the_body_log_with_the_routers_answer() {
     // A content rule refuses it (3 messages).
     let ruled = body("ruled", 3);
     assert_eq!(send("/r/v1/chat/completions", &ruled, "").status, 422);
-    // The one slot is held: the next request gets the concurrency 429. (Held for 5 s: a
-    // loaded machine running the suite can take over a second between seeing the slot held
-    // and the next request's arrival, which once outlived a 1.5 s hold.)
+    // The one slot is held: the next request gets the concurrency 429.
     let public = env.public();
     let hold = std::thread::spawn(move || {
         request(
@@ -389,7 +387,7 @@ fn refused_requests_reach_the_body_log_with_the_routers_answer() {
             &post_json(
                 "/r/v1/chat/completions",
                 &chat_body("hold", false),
-                "x-mock-hang-ms: 5000\r\nx-session-id: hold\r\n",
+                "x-mock-hang-ms: 1500\r\nx-session-id: hold\r\n",
             ),
         )
         .status
