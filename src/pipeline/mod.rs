@@ -981,9 +981,11 @@ async fn proxy(
                     ctx.put_inbuf(std::mem::take(&mut conn.inbuf));
                 }
                 let rbuf = std::mem::take(&mut ex.buf);
+                let mut inflight = Some(inflight);
                 let (end, rbuf) = relay::relay(
                     &mut conn.wr,
                     &mut ex.stream,
+                    &mut inflight,
                     out,
                     rbuf,
                     ex.start,

@@ -290,10 +290,17 @@ fn shed_burst(v: &mut Vec<u8>) {
 /// Relay the response: `head_bytes` (the client's response head) goes out with the first
 /// body bytes, then each upstream read becomes one client write. `buf[start..]` holds body
 /// bytes that arrived with the head. Returns how it ended and the read buffer for reuse.
+///
+/// `inflight`, the request's unit on its peer, is released as soon as the peer's response
+/// is complete, before the last client write: the peer is done with the request then, and
+/// a client that sends its next request the moment it has this response must find the
+/// unit free (a pool at its `max_concurrency` would refuse it otherwise). On every other
+/// end the caller drops it.
 #[allow(clippy::too_many_arguments)]
 pub async fn relay(
     client: &mut OwnedWriteHalf<TcpStream>,
     up: &mut TcpStream,
+    inflight: &mut Option<super::Inflight<'_>>,
     head_bytes: Vec<u8>,
     buf: Vec<u8>,
     start: usize,
@@ -386,6 +393,9 @@ pub async fn relay(
                 data.len()
             }
         };
+        if finished {
+            inflight.take();
+        }
         let has_body = !matches!(tracker, Tracker::None);
         if decode && has_body {
             // Filter and re-frame the new body bytes (decoded from chunks, or as read); at
@@ -648,9 +658,11 @@ mod tests {
             };
             let mut stats = RelayStats::default();
             let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+            let mut unit = None;
             let relay = relay(
                 &mut wr,
                 &mut up,
+                &mut unit,
                 head,
                 Vec::with_capacity(RELAY_READ_BUF_BYTES),
                 0,
@@ -699,5 +711,113 @@ mod tests {
         assert_eq!(held_while_waiting, Some(3));
         // At the end they are spares again.
         assert_eq!(kept_after, 3);
+    }
+
+    /// The request's unit on its peer is free before the client has the response's last
+    /// byte, so a client that sends its next request at once never finds its own finished
+    /// request still counted against the peer's `max_concurrency`.
+    #[test]
+    fn the_peers_unit_is_released_before_the_last_client_write() {
+        use monoio::io::Splitable;
+        use std::io::Write;
+        let path =
+            std::env::temp_dir().join(format!("warmroute-relay-unit-{}", std::process::id()));
+        let seg = warmroute_shm::Segment::open_or_create(
+            &path,
+            warmroute_shm::Capacities {
+                workers: 2,
+                peers: 4,
+                routes: 4,
+            },
+        )
+        .unwrap();
+        let _ = std::fs::remove_file(&path);
+        let wid = seg.claim_worker(std::process::id(), 1).unwrap();
+        let slot = seg.peer_slot("127.0.0.1:1").unwrap();
+        // The peer sends the body in two parts, 20 ms apart.
+        let up_l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let up_addr = up_l.local_addr().unwrap();
+        let peer = std::thread::spawn(move || {
+            let (mut s, _) = up_l.accept().unwrap();
+            s.write_all(b"hello ").unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            s.write_all(b"world").unwrap();
+            std::thread::sleep(Duration::from_millis(200));
+        });
+        let mut rt = monoio::RuntimeBuilder::<monoio::FusionDriver>::new()
+            .enable_timer()
+            .build()
+            .unwrap();
+        let seg = &seg;
+        let (seen_mid, seen_at_end, end, held_after) = rt.block_on(async move {
+            let l = monoio::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let mut client = TcpStream::connect_addr(l.local_addr().unwrap())
+                .await
+                .unwrap();
+            let (conn, _) = l.accept().await.unwrap();
+            let (mut rd, mut wr) = conn.into_split();
+            let mut up = TcpStream::connect_addr(up_addr).await.unwrap();
+            let spares = Spares::new(RELAY_READ_BUF_BYTES);
+            let heads = Spares::new(2048);
+            let mut timer = crate::pipeline::client::new_timer();
+            let mut watch = ClientWatch::new(&mut rd, &mut timer, Instant::now());
+            let mut filters = FilterChain::default();
+            let plan = RelayPlan {
+                framing: ResponseFraming::Length(11),
+                client: ClientFraming::Passthrough,
+                idle_timeout: Duration::from_secs(10),
+                head_at: Instant::now(),
+                event_stream: false,
+                drain: None,
+            };
+            let mut stats = RelayStats::default();
+            let head = b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\n".to_vec();
+            let mut unit = Some(crate::pipeline::Inflight::acquire(seg, wid, slot));
+            // Had the relay left the unit to its caller, the client would still see it
+            // when it has the last byte: the caller drops it only after the join below.
+            let relay = relay(
+                &mut wr,
+                &mut up,
+                &mut unit,
+                head,
+                Vec::with_capacity(RELAY_READ_BUF_BYTES),
+                0,
+                &plan,
+                &mut filters,
+                &mut watch,
+                &mut stats,
+                &spares,
+                &heads,
+            );
+            let probe = async {
+                let mut got = Vec::new();
+                let mut seen_mid = None;
+                loop {
+                    let (n, b) = client.read(Vec::with_capacity(4096)).await;
+                    let n = n.unwrap();
+                    assert!(n > 0, "closed after {got:?}");
+                    got.extend_from_slice(&b[..n]);
+                    if got.ends_with(b"hello world") {
+                        break;
+                    }
+                    if got.ends_with(b"hello ") {
+                        seen_mid = Some(seg.inflight(slot));
+                    }
+                }
+                (seen_mid, seg.inflight(slot))
+            };
+            let ((end, _), (seen_mid, seen_at_end)) = monoio::join!(relay, probe);
+            let held_after = unit.is_some();
+            drop(unit);
+            (seen_mid, seen_at_end, end, held_after)
+        });
+        peer.join().unwrap();
+        assert!(matches!(end, RelayEnd::Done { reusable: true }), "{end:?}");
+        // Control: while the peer was still sending, the unit was held.
+        assert_eq!(seen_mid, Some(1));
+        // The client had every byte, and the unit was already free.
+        assert_eq!(seen_at_end, 0);
+        assert!(!held_after);
+        assert_eq!(seg.inflight(slot), 0);
     }
 }
