@@ -408,8 +408,8 @@ impl RouteOpts {
             "health_ban_ttl" => self.health_ban_ttl = v.uint(),
             "health_probe_path" => {
                 let p = v.string();
-                if !p.starts_with('/') {
-                    d.error(field, format!("{p:?} must start with '/'"));
+                if let Some(e) = probe_path_problem(&p) {
+                    d.error(field, e);
                     return false;
                 }
                 self.health_probe_path = p;
@@ -447,9 +447,13 @@ impl RouteOpts {
             "upstream_api_key" => {
                 let k = v.opt_string();
                 if k.as_deref()
-                    .is_some_and(|k| k.trim().is_empty() || k.contains(['\r', '\n']))
+                    .is_some_and(|k| k.trim().is_empty() || !field_value_safe(k))
                 {
-                    d.error(field, "must be non-blank and on one line");
+                    d.error(
+                        field,
+                        "must be non-blank, with no control character but tab (it is sent in \
+                         the Authorization header)",
+                    );
                     return false;
                 }
                 self.upstream_api_key = k;
@@ -1113,7 +1117,7 @@ fn parse_peer(v: &toml::Value, f: &str, d: &mut Diag) -> Option<PeerConfig> {
         let kf = join(f, k);
         match k.as_str() {
             "host" => match value::string(x, &kf, d) {
-                Some(h) if h.is_empty() || h.contains(char::is_whitespace) => {
+                Some(h) if h.is_empty() || !h.bytes().all(|b| b.is_ascii_graphic()) => {
                     d.error(&kf, format!("{h:?} is not a host name or address"))
                 }
                 h => host = h,
@@ -1123,6 +1127,13 @@ fn parse_peer(v: &toml::Value, f: &str, d: &mut Diag) -> Option<PeerConfig> {
             }
             "name" => match value::string(x, &kf, d) {
                 Some(n) if n.trim().is_empty() => d.error(&kf, "must not be blank"),
+                Some(n) if !field_value_safe(&n) => d.error(
+                    &kf,
+                    format!(
+                        "{n:?} holds a control character; the name is sent in the X-Routed-Peer \
+                         header, where HTTP allows none but tab"
+                    ),
+                ),
                 n => name = n,
             },
             "priority" => {
@@ -1137,10 +1148,11 @@ fn parse_peer(v: &toml::Value, f: &str, d: &mut Diag) -> Option<PeerConfig> {
                 }
             }
             "probe" => match value::string(x, &kf, d) {
-                Some(p) if !p.starts_with('/') => {
-                    d.error(&kf, format!("{p:?} must start with '/'"))
-                }
-                p => probe = p,
+                Some(p) => match probe_path_problem(&p) {
+                    Some(e) => d.error(&kf, e),
+                    None => probe = Some(p),
+                },
+                None => {}
             },
             "gpu" => gpu = value::string(x, &kf, d),
             _ => d.error(&kf, format!("unknown peer key (expected {PEER_KEYS})")),
@@ -1182,6 +1194,28 @@ fn parse_peer(v: &toml::Value, f: &str, d: &mut Diag) -> Option<PeerConfig> {
         probe,
         gpu,
     })
+}
+
+/// Whether `s` can go into an HTTP field value as it is: no control character but tab
+/// (RFC 9110 §5.5 forbids CR, LF and NUL there, and strict clients refuse the others).
+fn field_value_safe(s: &str) -> bool {
+    !s.bytes().any(|b| (b < 0x20 && b != b'\t') || b == 0x7f)
+}
+
+/// What is wrong with `p` as a health probe's request target, if anything: it must be an
+/// absolute path, `/` then visible ASCII (a space or a control character would break the
+/// probe's request line; non-ASCII goes percent-encoded).
+fn probe_path_problem(p: &str) -> Option<String> {
+    if !p.starts_with('/') {
+        Some(format!("{p:?} must start with '/'"))
+    } else if !p.bytes().all(|b| b.is_ascii_graphic()) {
+        Some(format!(
+            "{p:?} must be visible ASCII, with no space or control character \
+             (percent-encode them)"
+        ))
+    } else {
+        None
+    }
 }
 
 /// Whether `host` is an address already (no name to look up again).

@@ -465,6 +465,40 @@ fn peer_validation() {
     );
     let e = errs(r#"peers = [ { host = "no-such-host.invalid", port = 8000 } ]"#);
     assert_eq!(fields(&e), ["peers[0].host"]);
+    // What goes into a header or a probe's request line can hold no control character
+    // (a name with a newline was written raw into X-Routed-Peer), and a probe path no
+    // space; every such field is reported at once.
+    let e = errs(
+        "peers = [ { host = \"127.0.0.1\", port = 8000, name = \"a\\nb\", probe = \"/health x\" },\n\
+         { host = \"127.0.0.1\\u0000\", port = 8001, name = \"c\\u0000\" } ]\n\
+         health_probe_path = \"/v1/models\\r\\nX-Evil: 1\"\nupstream_api_key = \"sk\\u0000\"",
+    );
+    let mut f = fields(&e);
+    f.sort();
+    assert_eq!(
+        f,
+        [
+            "health_probe_path",
+            "peers[0].name",
+            "peers[0].probe",
+            "peers[1].host",
+            "peers[1].name",
+            "upstream_api_key"
+        ],
+        "{e:?}"
+    );
+    assert!(
+        e.iter().any(|e| e.message.contains("X-Routed-Peer")),
+        "{e:?}"
+    );
+    // Control: printable names (spaces, quotes, non-ASCII) and a tab are fine, and so is a
+    // probe path with a query.
+    let ok = one(
+        "peers = [ { host = \"127.0.0.1\", port = 8000, name = \"gpu 0 \\\"a\\\" é\\tx\", probe = \"/health?full=1\" } ]\n\
+         upstream_api_key = \"sk-1\"",
+    )
+    .unwrap();
+    assert_eq!(ok.routes[0].pools[0].peers[0].name, "gpu 0 \"a\" é\tx");
     // The same name in two different pools is fine.
     let ok = "[peers_by_model]\na = [ { host = \"127.0.0.1\", port = 1, name = \"n\" } ]\nb = [ { host = \"127.0.0.1\", port = 2, name = \"n\" } ]";
     assert!(one(ok).is_ok());
