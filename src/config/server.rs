@@ -294,6 +294,15 @@ pub(crate) fn parse_server(
             "admin_listen",
             format!("{} is also the public listen address", c.admin_listen),
         );
+    } else if listeners_overlap(&c.listen, &c.admin_listen) {
+        d.error(
+            "admin_listen",
+            format!(
+                "{} overlaps the public listen address {}: same port, and a wildcard \
+                 address takes in the other",
+                c.admin_listen, c.listen
+            ),
+        );
     }
     if let Some(path) = env(ENV_API_KEYS_FILE).filter(|p| !p.trim().is_empty()) {
         c.api_keys_file = Some(PathBuf::from(path));
@@ -307,6 +316,22 @@ pub(crate) fn parse_server(
         config: c,
         routes_dir_set,
     }
+}
+
+/// Whether two listen addresses take some of the same connections: the same port (not 0)
+/// and either the same address or a wildcard that covers the other. `0.0.0.0` covers every
+/// IPv4 address; `[::]` covers every address, IPv4 too, as Linux binds it dual-stack by
+/// default. The listeners share ports with SO_REUSEPORT, so the kernel would not refuse
+/// the second bind: it would split connections between them.
+fn listeners_overlap(a: &SocketAddr, b: &SocketAddr) -> bool {
+    if a.port() != b.port() || a.port() == 0 {
+        return false;
+    }
+    let covers = |w: &SocketAddr, o: &SocketAddr| match w.ip() {
+        std::net::IpAddr::V6(ip) => ip.is_unspecified(),
+        std::net::IpAddr::V4(ip) => ip.is_unspecified() && o.is_ipv4(),
+    };
+    a.ip() == b.ip() || covers(a, b) || covers(b, a)
 }
 
 /// A body-log listener address: "" = off, else `host:port`.

@@ -364,6 +364,48 @@ fn route_names_that_would_hide_the_routers_own_paths_are_refused() {
 }
 
 #[test]
+fn the_admin_port_may_not_take_the_public_ports_connections() {
+    let check = |listen: &str, admin: &str| {
+        strs(
+            Some(&format!(
+                "listen = \"{listen}\"\nadmin_listen = \"{admin}\""
+            )),
+            &[("r", MIN_ROUTE)],
+        )
+        .err()
+        .map(|e| {
+            assert_eq!(fields(&e), ["admin_listen"], "{e:?}");
+            e[0].message.clone()
+        })
+    };
+    // The same address, and a wildcard that covers the other one, either way round.
+    for (l, a) in [
+        ("127.0.0.1:9000", "127.0.0.1:9000"),
+        ("0.0.0.0:9000", "127.0.0.1:9000"),
+        ("127.0.0.1:9000", "0.0.0.0:9000"),
+        ("[::]:9000", "127.0.0.1:9000"),
+        ("[::1]:9000", "[::]:9000"),
+        ("0.0.0.0:9000", "[::]:9000"),
+    ] {
+        let msg = check(l, a).unwrap_or_else(|| panic!("{l} and {a} were accepted"));
+        assert!(
+            msg.contains(a) && msg.contains("public listen address"),
+            "{msg}"
+        );
+    }
+    // Control: other ports, two distinct addresses, a v4 wildcard and a v6 address, and
+    // port 0 (any free port) are fine.
+    for (l, a) in [
+        ("0.0.0.0:9000", "0.0.0.0:9001"),
+        ("127.0.0.1:9000", "127.0.0.2:9000"),
+        ("0.0.0.0:9000", "[::1]:9000"),
+        ("0.0.0.0:0", "127.0.0.1:0"),
+    ] {
+        assert_eq!(check(l, a), None, "{l} and {a}");
+    }
+}
+
+#[test]
 fn an_unknown_server_key_names_the_one_meant_or_lists_them() {
     let e = strs(
         Some("admin_listn = \"127.0.0.1:1\"\nlisten_port = 8080"),
