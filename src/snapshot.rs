@@ -350,6 +350,25 @@ impl Snapshot {
             .find(|r| r.models_sorted.iter().any(|m| m == model))
     }
 
+    /// The models a request without a route prefix may see, sorted, each with its route:
+    /// those of the routes whose keys let `headers` in (SPEC §3.4: the key comes first).
+    /// `None` when routes serve models but the request's key opens none of them (401).
+    pub fn models_for(&self, headers: &crate::http::Headers) -> Option<Vec<(&str, &str)>> {
+        let mut any = false;
+        let mut models: Vec<(&str, &str)> = Vec::new();
+        for r in self.routes.iter().filter(|r| !r.models_sorted.is_empty()) {
+            any = true;
+            if crate::auth::authorize(headers, &r.keys) != crate::auth::AuthDecision::Denied {
+                models.extend(r.models_sorted.iter().map(|m| (m.as_str(), r.name())));
+            }
+        }
+        if any && models.is_empty() {
+            return None;
+        }
+        models.sort();
+        Some(models)
+    }
+
     pub fn route_names(&self) -> Vec<&str> {
         self.routes.iter().map(|r| r.name()).collect()
     }

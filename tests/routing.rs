@@ -563,6 +563,89 @@ fn sub_pools_by_model_and_bare_v1() {
     assert_eq!(ids, ["llama", "qwen", "solo"]);
 }
 
+/// Requests without a route prefix see only the models of the routes their key opens
+/// (SPEC §3.4: the key comes first), and a 401 names the scheme it takes.
+#[test]
+fn bare_model_lists_show_only_the_routes_a_key_opens() {
+    let m = mock("m0");
+    let open = route_for(&[m.addr()], "models = [\"solo\"]\n");
+    let private = route_for(
+        &[m.addr()],
+        "models = [\"secret\"]\napi_keys = { \"sk-p\" = \"pat\" }\n",
+    );
+    let env = start(&[("open", open), ("priv", private.clone())], "");
+    let ids = |extra: &str| -> Vec<String> {
+        let r = request(
+            env.public(),
+            format!("GET /v1/models HTTP/1.1\r\nHost: t\r\n{extra}\r\n").as_bytes(),
+        );
+        assert_eq!(r.status, 200);
+        r.json()["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(
+        ids(""),
+        ["solo"],
+        "a private route's model was listed to no key"
+    );
+    // Control: the route's key shows its model.
+    assert_eq!(ids("Authorization: Bearer sk-p\r\n"), ["secret", "solo"]);
+    // The same for the supported list of a bare request with an unknown model.
+    let r = chat(
+        &env,
+        "/v1/chat/completions",
+        json!({"model": "nope", "messages": []}),
+        "",
+    );
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["supported_models"], json!(["solo"]));
+    let r = chat(
+        &env,
+        "/v1/chat/completions",
+        json!({"model": "nope", "messages": []}),
+        "x-api-key: sk-p\r\n",
+    );
+    assert_eq!(
+        r.json()["error"]["supported_models"],
+        json!(["secret", "solo"])
+    );
+    // A 401 says which scheme it takes.
+    let r = chat(
+        &env,
+        "/priv/v1/chat/completions",
+        json!({"model": "secret", "messages": []}),
+        "",
+    );
+    assert_eq!(
+        (r.status, r.header("www-authenticate")),
+        (401, Some("Bearer"))
+    );
+
+    // When every model's route needs a key, a request without one gets 401, not a list.
+    let env = start(&[("priv", private)], "");
+    let r = request(env.public(), &get("/v1/models"));
+    assert_eq!(
+        (r.status, r.header("www-authenticate")),
+        (401, Some("Bearer"))
+    );
+    let r = chat(
+        &env,
+        "/v1/chat/completions",
+        json!({"model": "nope", "messages": []}),
+        "",
+    );
+    assert_eq!(r.status, 401);
+    let r = request(
+        env.public(),
+        b"GET /v1/models HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer sk-p\r\n\r\n",
+    );
+    assert_eq!(r.status, 200);
+}
+
 fn probes_only(a: &warmroute_mock::MockServer, b: &warmroute_mock::MockServer) -> u64 {
     // Everything the mocks saw that was not a completion: health probes only.
     a.stats().http_requests + b.stats().http_requests - a.stats().requests - b.stats().requests

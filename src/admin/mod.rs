@@ -104,7 +104,7 @@ pub fn answer(
     loopback: bool,
 ) -> Response {
     match d {
-        Dispatch::Server { endpoint } => server_endpoint(ctx, snap, endpoint, kind),
+        Dispatch::Server { endpoint } => server_endpoint(ctx, snap, endpoint, kind, head),
         Dispatch::Debug { route, endpoint } => match snap.route(route) {
             Some(r) => route_endpoint(ctx, snap, r, endpoint, head, body, loopback),
             None => Response::error(&ProxyError::NotFound, Some(route)),
@@ -122,7 +122,13 @@ pub fn answer(
     }
 }
 
-fn server_endpoint(ctx: &WorkerCtx, snap: &Snapshot, endpoint: &str, kind: PortKind) -> Response {
+fn server_endpoint(
+    ctx: &WorkerCtx,
+    snap: &Snapshot,
+    endpoint: &str,
+    kind: PortKind,
+    head: &RequestHead,
+) -> Response {
     match (endpoint, kind) {
         ("/healthz", PortKind::Admin) => Response::text(200, "ok"),
         ("/readyz", PortKind::Admin) => {
@@ -135,12 +141,10 @@ fn server_endpoint(ctx: &WorkerCtx, snap: &Snapshot, endpoint: &str, kind: PortK
         ("/_routes", PortKind::Admin) => Response::json(200, &routes_json(ctx, snap)),
         ("/metrics", PortKind::Admin) => metrics::response(ctx, snap),
         ("/v1/models", PortKind::Public) => {
-            let mut models: Vec<(&str, &str)> = snap
-                .routes
-                .iter()
-                .flat_map(|r| r.models_sorted.iter().map(move |m| (m.as_str(), r.name())))
-                .collect();
-            models.sort();
+            // Only the models of the routes the request's key opens.
+            let Some(models) = snap.models_for(&head.headers) else {
+                return Response::error(&ProxyError::Unauthorized, None);
+            };
             let data: Vec<Value> = models
                 .iter()
                 .map(|(m, r)| json!({"id": m, "object": "model", "owned_by": r}))

@@ -182,6 +182,8 @@ impl ProxyError {
     /// Extra headers the status calls for.
     pub fn headers(&self) -> &'static [(&'static str, &'static str)] {
         match self {
+            // RFC 9110 §11.6.1: a 401 names the scheme it takes.
+            ProxyError::Unauthorized => &[("WWW-Authenticate", "Bearer")],
             ProxyError::NoHealthyPeer => &[("Retry-After", "5")],
             ProxyError::ShuttingDown { .. } => &[("Retry-After", "1")],
             ProxyError::ConcurrencyLimit(_) | ProxyError::LatencyShed { .. } => {

@@ -381,12 +381,13 @@ async fn prepare<'a>(
             let fields = session_id::parse_body(&body);
             let model = fields.as_ref().and_then(|f| f.model.clone());
             let Some(route) = model.as_deref().and_then(|m| snap.route_for_model(m)) else {
-                let mut supported: Vec<String> = snap
-                    .routes
-                    .iter()
-                    .flat_map(|r| r.models_sorted.iter().cloned())
-                    .collect();
-                supported.sort();
+                // The supported list names only the models the request's key opens; a key
+                // that opens none gets the 401 any of their routes would give.
+                let Some(visible) = snap.models_for(&head.headers) else {
+                    return Err((ProxyError::Unauthorized, None, None));
+                };
+                let mut supported: Vec<String> =
+                    visible.into_iter().map(|(m, _)| m.to_string()).collect();
                 supported.dedup();
                 return Err((
                     ProxyError::ModelNotSupported { model, supported },
