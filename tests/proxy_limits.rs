@@ -98,6 +98,9 @@ fn framing_conflicts_are_400_and_oversize_heads_431() {
         (b"POST /r/v1/x HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n".to_vec(), 400),
         (b"POST /r/v1/x HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello".to_vec(), 400),
         (b"POST /r/v1/x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n".to_vec(), 400),
+        // A trailer line ended by a bare LF used to hide the pipelined request after it.
+        (b"POST /r/v1/x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX-T: 1\n\r\nGET /r/v1/models HTTP/1.1\r\nHost: t\r\n\r\n".to_vec(), 400),
+        (b"POST /r/v1/x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nno colon\r\n\r\n".to_vec(), 400),
         (b"POST /r/v1/x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip\r\n\r\n".to_vec(), 501),
         (b"BLAH\r\n\r\n".to_vec(), 400),
         (b"GET /r/v1/models HTTP/1.1\r\nHost: a b\r\n\r\n".to_vec(), 400),

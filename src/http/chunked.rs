@@ -1,7 +1,7 @@
 //! Incremental decoder for `Transfer-Encoding: chunked` (RFC 9112 §7.1).
 //!
 //! Fed arbitrary slices of the wire, it hands out the data bytes and says where the
-//! message ends. Extensions and trailers are accepted and discarded. Used both to read
+//! message ends. Extensions and well-formed trailers are accepted and discarded. Used both to read
 //! request bodies into memory and to find the end of a chunked response that is relayed
 //! to the client byte for byte.
 
@@ -33,8 +33,10 @@ enum State {
     DataLf,
     /// At the start of a trailer line (or the final empty line).
     TrailerStart,
-    /// Inside a trailer line.
-    Trailer,
+    /// Inside a trailer line; `colon`: its name has ended.
+    Trailer {
+        colon: bool,
+    },
     TrailerLf {
         empty: bool,
     },
@@ -161,21 +163,32 @@ impl ChunkedDecoder {
                     i += 1;
                     self.state = State::Size { digits: 0 };
                 }
+                // A trailer line is `name: value` CRLF (RFC 9112 §7.1.2). A bare LF, a line
+                // without a name or a colon, or one that starts with whitespace (obs-fold)
+                // is refused: a decoder that read past it while another hop took the LF as
+                // a line end would disagree on where the message ends.
                 State::TrailerStart => {
                     i += 1;
-                    if b == b'\r' {
-                        self.state = State::TrailerLf { empty: true };
-                    } else {
-                        self.bump_trailer()?;
-                        self.state = State::Trailer;
+                    match b {
+                        b'\r' => self.state = State::TrailerLf { empty: true },
+                        b'\n' | b':' | b' ' | b'\t' => return Err(ChunkError::BadDelimiter),
+                        _ => {
+                            self.bump_trailer()?;
+                            self.state = State::Trailer { colon: false };
+                        }
                     }
                 }
-                State::Trailer => {
+                State::Trailer { colon } => {
                     i += 1;
-                    if b == b'\r' {
-                        self.state = State::TrailerLf { empty: false };
-                    } else {
-                        self.bump_trailer()?;
+                    match b {
+                        b'\r' if colon => self.state = State::TrailerLf { empty: false },
+                        b'\r' | b'\n' => return Err(ChunkError::BadDelimiter),
+                        _ => {
+                            self.bump_trailer()?;
+                            if b == b':' {
+                                self.state = State::Trailer { colon: true };
+                            }
+                        }
                     }
                 }
                 State::TrailerLf { empty } => {
@@ -285,6 +298,37 @@ mod tests {
             decode_all(&big, 1000).unwrap_err(),
             ChunkError::TrailersTooLarge
         );
+    }
+
+    #[test]
+    fn trailer_lines_must_be_name_colon_value_crlf() {
+        // Each of these used to be read as a trailer line, so the decoder went on past the
+        // message's end into whatever came next (a pipelined request, the next response).
+        for wire in [
+            &b"0\r\nX-T: 1\n\r\nGET /next HTTP/1.1\r\nHost: t\r\n\r\n"[..],
+            b"0\r\n\nGET /next HTTP/1.1\r\nHost: t\r\n\r\n",
+            b"0\r\nno colon here\r\n\r\n",
+            b"0\r\n: no name\r\n\r\n",
+            b"0\r\nX-T: 1\r\n folded\r\n\r\n",
+            b"0\r\n\tX-T: 1\r\n\r\n",
+        ] {
+            for step in 1..=wire.len() {
+                assert_eq!(
+                    decode_all(wire, step).unwrap_err(),
+                    ChunkError::BadDelimiter,
+                    "{:?} in pieces of {step}",
+                    String::from_utf8_lossy(wire)
+                );
+            }
+        }
+        // Control: well-formed trailers, an empty value and a colon in a value end the
+        // message where they should.
+        let wire = b"3\r\nabc\r\n0\r\nX-A: 1\r\nX-Empty:\r\nX-Url: http://h:1/p\r\n\r\nNEXT";
+        for step in 1..wire.len() {
+            let (out, used, done) = decode_all(wire, step).unwrap();
+            assert_eq!((out.as_slice(), done), (&b"abc"[..], true), "step {step}");
+            assert_eq!(used, wire.len() - 4, "step {step}");
+        }
     }
 
     #[test]
