@@ -39,6 +39,10 @@ pub mod peer {
     /// went away mid-body, or the peer closed, went idle or broke its framing mid-body.
     pub const CUT_BY_CLIENT: usize = 16;
     pub const CUT_BY_PEER: usize = 17;
+    /// Bumped by `_active_conns_set` before it sets the in-flight count: a request that
+    /// took its unit under an earlier value does not give it back, since the count it was
+    /// part of has been replaced.
+    pub const INFLIGHT_EPOCH: usize = 18;
 }
 
 /// Cells of a key owner's row: a route row keyed `owner:<name>` (route names cannot hold

@@ -279,6 +279,71 @@ fn hold(env: &Env, n: usize, ms: u32) -> Vec<std::thread::JoinHandle<Resp>> {
     held
 }
 
+/// `_active_conns_set` with requests in flight: the count set stays what was set when they
+/// end, so the limit holds after it (a flush with two in flight used to leave the sum at
+/// -2, read as 0, and let four requests past a limit of two until a restart).
+#[test]
+fn a_count_set_by_hand_is_not_undone_by_the_requests_it_replaced() {
+    let m = mock("m0");
+    let route = format!(
+        "peers = [ {{ host = \"127.0.0.1\", port = {}, name = \"p0\", max_concurrency = 2 }} ]\n",
+        m.addr().port()
+    );
+    let env = start(&[("r", route)], "");
+    let statuses = |n: usize| -> Vec<u16> {
+        let held = hold_no_wait(&env, n, 1200);
+        let mut s: Vec<u16> = held.into_iter().map(|h| h.join().unwrap().status).collect();
+        s.sort();
+        s
+    };
+    // Control: the limit admits two of four.
+    assert_eq!(statuses(4), [200, 200, 429, 429]);
+    // A flush while two are in flight, then they end.
+    let held = hold(&env, 2, 800);
+    let r = request(env.public(), &get("/r/_active_conns_set?flush=1"));
+    assert_eq!(r.json()["ok"], true);
+    assert_eq!(inflight_total(&env, "r"), 0);
+    for h in held {
+        assert_eq!(h.join().unwrap().status, 200);
+    }
+    assert_eq!(inflight_total(&env, "r"), 0);
+    assert_eq!(statuses(4), [200, 200, 429, 429], "the limit after a flush");
+    // A value set while two are in flight is the count once they end.
+    let held = hold(&env, 2, 800);
+    request(env.public(), &get("/r/_active_conns_set?peer=p0&value=1"));
+    for h in held {
+        assert_eq!(h.join().unwrap().status, 200);
+    }
+    assert_eq!(inflight_total(&env, "r"), 1);
+    assert_eq!(
+        statuses(3),
+        [200, 429, 429],
+        "one of two taken by the count set"
+    );
+    request(env.public(), &get("/r/_active_conns_set?flush=1"));
+    assert_eq!(inflight_total(&env, "r"), 0);
+    assert_eq!(statuses(3), [200, 200, 429]);
+}
+
+/// `n` requests held `ms` at the mock, sent at once without waiting for them to arrive.
+fn hold_no_wait(env: &Env, n: usize, ms: u32) -> Vec<std::thread::JoinHandle<Resp>> {
+    let addr = env.public();
+    (0..n)
+        .map(|_| {
+            std::thread::spawn(move || {
+                request(
+                    addr,
+                    &post_json(
+                        "/r/v1/chat/completions",
+                        &chat_body("x", false),
+                        &format!("x-mock-ttft-ms: {ms}\r\n"),
+                    ),
+                )
+            })
+        })
+        .collect()
+}
+
 #[test]
 fn route_state_shows_the_adaptive_limit_in_force_and_the_static_one() {
     let m = mock("m0");

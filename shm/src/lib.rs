@@ -1086,15 +1086,18 @@ impl Segment {
     }
     /// Sum over all owned rows (free rows skipped); negative sums read as 0.
     pub fn inflight(&self, p: PeerSlot) -> i64 {
+        self.inflight_sum(p).max(0)
+    }
+    /// Sum over all owned rows as it is, below 0 too (a row set by hand can hold a
+    /// negative count that offsets the others).
+    pub fn inflight_sum(&self, p: PeerSlot) -> i64 {
         let _ = self.peer(p); // bounds check like every other accessor
-        let sum: i64 = self
-            .live_rows()
+        self.live_rows()
             .map(|(i, _)| {
                 self.inflight_cell(WorkerId(i as u32), p)
                     .load(Ordering::Relaxed)
             })
-            .sum();
-        sum.max(0)
+            .sum()
     }
     /// Row `w`'s own count for peer `p`.
     pub fn inflight_of(&self, w: WorkerId, p: PeerSlot) -> i64 {

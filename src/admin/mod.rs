@@ -704,12 +704,17 @@ fn cache_json(ptok: u64, ctok: u64, completion: u64, responses: u64) -> Value {
 }
 
 /// Correct in-flight counts by hand. The segment lets a worker write only its own row, so
-/// "set the total to N" writes this worker's row to N minus the other rows' sum.
+/// "set the total to N" writes this worker's row to N minus the other rows' sum. The peer's
+/// in-flight epoch is bumped first, so the requests in flight now do not give their units
+/// back when they end: the count stays N plus what starts after (it used to drift below N,
+/// and a flush with requests in flight let the limit be exceeded until a restart).
 fn active_conns_set(ctx: &WorkerCtx, route: &RouteRt, q: Option<&str>) -> Response {
     let seg = &ctx.shared.seg;
     let set_total = |slot, total: i64| {
+        seg.peer_cell(slot, cells::peer::INFLIGHT_EPOCH)
+            .fetch_add(1, Relaxed);
         let own = seg.inflight_of(ctx.wid, slot);
-        let others = seg.inflight(slot) - own.max(0);
+        let others = seg.inflight_sum(slot) - own;
         seg.inflight_set(ctx.wid, slot, total - others);
     };
     let bad = |msg: &str| {

@@ -70,18 +70,36 @@ pub struct Inflight<'a> {
     seg: &'a Segment,
     wid: WorkerId,
     slot: PeerSlot,
+    /// The peer's [`cells::peer::INFLIGHT_EPOCH`] when the unit was taken.
+    epoch: u64,
 }
 
 impl<'a> Inflight<'a> {
     pub fn acquire(seg: &'a Segment, wid: WorkerId, slot: PeerSlot) -> Self {
+        let epoch = seg
+            .peer_cell(slot, cells::peer::INFLIGHT_EPOCH)
+            .load(Relaxed);
         seg.inflight_add(wid, slot, 1);
-        Inflight { seg, wid, slot }
+        Inflight {
+            seg,
+            wid,
+            slot,
+            epoch,
+        }
     }
 }
 
 impl Drop for Inflight<'_> {
     fn drop(&mut self) {
-        self.seg.inflight_add(self.wid, self.slot, -1);
+        // A count set by hand since this unit was taken (`_active_conns_set`) no longer
+        // holds it: giving it back would take the count below what was set.
+        let epoch = self
+            .seg
+            .peer_cell(self.slot, cells::peer::INFLIGHT_EPOCH)
+            .load(Relaxed);
+        if epoch == self.epoch {
+            self.seg.inflight_add(self.wid, self.slot, -1);
+        }
     }
 }
 
