@@ -2,14 +2,25 @@
 //!
 //! Bounded: at most `per_peer_max` idle connections per peer, each kept at most
 //! `idle_timeout`. Taking returns the most recently used connection (warmest, least
-//! likely to have been closed by the peer). A connection the peer closed while idle is
-//! found out on use; the caller retries once on a fresh connection.
+//! likely to have been closed by the peer). A connection idle for [`LOOK_AFTER`] or more
+//! is looked at first: one the peer wrote to while it was idle (an unsolicited 408 when
+//! the peer's idle timer fired) or closed is dropped, since those bytes would be read as
+//! the next request's response. A close that comes later is found out on use; the caller
+//! retries once on a fresh connection.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use monoio::net::TcpStream;
+use warmroute_shm::Pending;
+
+/// How long a connection sits idle before it is looked at on reuse. A peer writes on an
+/// idle connection when a timer of its own fires, after seconds; a connection reused
+/// sooner (every one, under load) costs no system call. Bytes a broken peer sends after
+/// its response within this window are still read as the next response.
+pub const LOOK_AFTER: Duration = Duration::from_millis(10);
 
 pub struct UpstreamPool {
     /// Per peer address, idle connections oldest first. A short list scanned linearly:
@@ -36,9 +47,16 @@ impl UpstreamPool {
     pub fn take(&mut self, addr: SocketAddr, now: Instant) -> Option<TcpStream> {
         let list = &mut self.idle.iter_mut().find(|(a, _)| *a == addr)?.1;
         while let Some((s, since)) = list.pop_back() {
-            if now.duration_since(since) < self.idle_timeout {
-                return Some(s);
+            let idle = now.saturating_duration_since(since);
+            if idle >= self.idle_timeout {
+                continue;
             }
+            if idle >= LOOK_AFTER
+                && warmroute_shm::socket_pending(s.as_raw_fd()) != Pending::Nothing
+            {
+                continue;
+            }
+            return Some(s);
         }
         None
     }

@@ -132,12 +132,79 @@ fn stale_pooled_connection_is_retried_fresh_without_counting_a_retry() {
             "request {i}"
         );
         assert_eq!(resp.header("x-routed-retries"), Some("0"));
-        std::thread::sleep(Duration::from_millis(30));
+        // Long enough for the backend's close to arrive, short enough that the pool does
+        // not look at the connection before reuse (`upstream::LOOK_AFTER`, 10 ms): the
+        // close is found out on use.
+        std::thread::sleep(Duration::from_millis(3));
     }
     assert!(
         b.accepted.load(std::sync::atomic::Ordering::SeqCst) >= 4,
         "each request needed a fresh connection"
     );
+}
+
+/// A backend that writes on an idle kept-alive connection (an unsolicited 408 when its
+/// own idle timer fires): those bytes are not the next request's response. The pool drops
+/// the connection and the request goes on a fresh one (they used to be read as its answer,
+/// and every later client got the answer of the one before).
+#[test]
+fn bytes_a_peer_sends_on_an_idle_pooled_connection_are_not_the_next_answer() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let conns = std::sync::Arc::new(AtomicUsize::new(0));
+    let count = conns.clone();
+    serve_each(l, move |mut s| {
+        let mut buf = Vec::new();
+        let mut first = true;
+        while let Some(head) = read_request(&mut s, &mut buf) {
+            if is_health_probe(&head) {
+                let _ = answer_health_probe(&mut s);
+                return;
+            }
+            if first {
+                count.fetch_add(1, SeqCst);
+                first = false;
+            }
+            let text = String::from_utf8_lossy(&head).to_lowercase();
+            let who = text
+                .lines()
+                .find_map(|l| l.strip_prefix("x-who:"))
+                .unwrap_or("")
+                .trim()
+                .to_string();
+            let body = format!("{{\"answer_for\":\"{who}\"}}");
+            let resp = format!(
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            if s.write_all(resp.as_bytes()).is_err() {
+                return;
+            }
+            // Idle a moment, then the backend's idle timer "fires"; the connection stays open.
+            std::thread::sleep(Duration::from_millis(150));
+            let _ = s.write_all(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n");
+        }
+    });
+    let env = start(&[("r", route_for(&[addr], ""))], "");
+    let c = connect(env.public());
+    let mut r = BufReader::new(c.try_clone().unwrap());
+    let mut c = c;
+    for who in ["alice", "bob", "carol"] {
+        c.write_all(
+            format!("GET /r/v1/who HTTP/1.1\r\nHost: t\r\nx-who: {who}\r\n\r\n").as_bytes(),
+        )
+        .unwrap();
+        let resp = read_response(&mut r, false).unwrap();
+        assert_eq!(
+            (resp.status, resp.text()),
+            (200, format!("{{\"answer_for\":\"{who}\"}}")),
+            "{who}"
+        );
+        std::thread::sleep(Duration::from_millis(400));
+    }
+    // The control: each request after the first found its pooled connection written to
+    // and took a fresh one.
+    assert_eq!(conns.load(SeqCst), 3);
 }
 
 #[test]

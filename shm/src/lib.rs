@@ -1571,6 +1571,46 @@ pub fn thread_cpu_time_ns() -> Option<u64> {
     Some(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
 }
 
+/// What waits in a socket's receive queue, looked at without taking it: see
+/// [`socket_pending`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pending {
+    /// Nothing to read yet: the socket is quiet.
+    Nothing,
+    /// Bytes wait to be read.
+    Bytes,
+    /// The peer closed the connection or reset it (or `fd` is not a usable socket).
+    Closed,
+}
+
+/// Looks at socket `fd`'s receive queue without blocking and without taking anything from
+/// it (`recv` with `MSG_PEEK | MSG_DONTWAIT`): for a pooled upstream connection before a
+/// request goes on it, since bytes a peer sent on an idle connection (an unsolicited 408
+/// at its idle timeout) would otherwise be read as the next request's response.
+pub fn socket_pending(fd: std::os::fd::RawFd) -> Pending {
+    let mut b = [0u8; 1];
+    // SAFETY: `b` is a valid, writable buffer of the length passed, for the duration of
+    // the call; with MSG_PEEK | MSG_DONTWAIT the kernel only copies into it and returns at
+    // once. An `fd` that is not an open socket makes the call fail (EBADF, ENOTSOCK),
+    // which is reported, not undefined behaviour.
+    let n = unsafe {
+        libc::recv(
+            fd,
+            b.as_mut_ptr().cast(),
+            b.len(),
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    match n {
+        1.. => Pending::Bytes,
+        0 => Pending::Closed,
+        _ => match io::Error::last_os_error().kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Pending::Nothing,
+            _ => Pending::Closed,
+        },
+    }
+}
+
 /// Wall-clock milliseconds since the Unix epoch (shared meaning across processes).
 pub fn now_ms() -> u64 {
     SystemTime::now()

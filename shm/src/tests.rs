@@ -1135,3 +1135,33 @@ fn a_full_route_table_reuses_freed_slots() {
     assert_eq!(s.route_slot("gen3-0"), None, "full again");
     assert_eq!(s.find_route_slot("gen1-3"), None);
 }
+
+#[test]
+fn socket_pending_sees_bytes_and_closes_without_taking_them() {
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (mut b, _) = l.accept().unwrap();
+    // A quiet connection, and the call does not block on it.
+    assert_eq!(socket_pending(b.as_raw_fd()), Pending::Nothing);
+    a.write_all(b"HTTP/1.1 408").unwrap();
+    let seen = (0..200).any(|_| {
+        std::thread::sleep(Duration::from_millis(5));
+        socket_pending(b.as_raw_fd()) == Pending::Bytes
+    });
+    assert!(seen, "the bytes sent were never seen");
+    // Nothing was taken: every byte is still there to read.
+    let mut got = [0u8; 12];
+    b.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"HTTP/1.1 408");
+    assert_eq!(socket_pending(b.as_raw_fd()), Pending::Nothing);
+    drop(a);
+    let closed = (0..200).any(|_| {
+        std::thread::sleep(Duration::from_millis(5));
+        socket_pending(b.as_raw_fd()) == Pending::Closed
+    });
+    assert!(closed, "the peer's close was never seen");
+    // Not a socket: a clear answer, no crash.
+    assert_eq!(socket_pending(-1), Pending::Closed);
+}
