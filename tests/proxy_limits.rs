@@ -400,3 +400,51 @@ fn the_mock_takes_the_largest_request_the_router_forwards() {
     assert_eq!(r.header("x-mock-peer"), None);
     assert_eq!(m.stats().http_requests, 2);
 }
+
+/// An HTTP/1.0 client that asks for keep-alive keeps its connection only when the answer
+/// says `Connection: keep-alive` (RFC 9112 §9.3, C.2.2). The router's own answers (a 404,
+/// a debug endpoint, a 401) said nothing while keeping the connection, so such a client
+/// (`ab -k`) waited for a close that came only at the idle timeout.
+#[test]
+fn http_1_0_keep_alive_clients_are_told_on_the_routers_own_answers() {
+    let m = mock("m0");
+    let env = start(
+        &[
+            ("r", route_for(&[m.addr()], "")),
+            (
+                "k",
+                route_for(&[m.addr()], "api_keys = { \"sk\" = \"o\" }\n"),
+            ),
+        ],
+        "",
+    );
+    let c = connect(env.public());
+    let mut rd = BufReader::new(c.try_clone().unwrap());
+    let mut c = c;
+    let ka = "Connection: keep-alive\r\n";
+    let asks = [
+        (format!("GET /nope/v1/x HTTP/1.0\r\n{ka}\r\n"), 404),
+        (format!("GET /r/_route_state HTTP/1.0\r\n{ka}\r\n"), 200),
+        (format!("GET /k/v1/models HTTP/1.0\r\n{ka}\r\n"), 401),
+        (format!("HEAD /nope/v1/x HTTP/1.0\r\n{ka}\r\n"), 404),
+        // The control: a proxied answer said so already.
+        (format!("GET /r/v1/models HTTP/1.0\r\n{ka}\r\n"), 200),
+    ];
+    for (raw, status) in &asks {
+        c.write_all(raw.as_bytes()).unwrap();
+        let head = raw.starts_with("HEAD");
+        let resp = read_response(&mut rd, head).unwrap();
+        assert_eq!(resp.status, *status, "{raw}");
+        assert_eq!(resp.header("connection"), Some("keep-alive"), "{raw}");
+    }
+    // Without keep-alive an HTTP/1.0 answer says close, and the router closes.
+    c.write_all(b"GET /nope/v1/x HTTP/1.0\r\n\r\n").unwrap();
+    let resp = read_response(&mut rd, false).unwrap();
+    assert_eq!(
+        (resp.status, resp.header("connection")),
+        (404, Some("close"))
+    );
+    let mut rest = Vec::new();
+    rd.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty());
+}

@@ -312,11 +312,23 @@ pub fn json_response_with_lines(
 /// The answer to `head`'s request as it goes on the wire: a response to HEAD keeps its
 /// status line and headers, `Content-Length` included, and drops its body (RFC 9110
 /// §9.3.2). A client reading a body after a HEAD answer would take it for the next
-/// response on the connection.
+/// response on the connection. An HTTP/1.0 connection kept open is told so.
 pub fn for_request(head: &crate::http::RequestHead, mut resp: Vec<u8>) -> Vec<u8> {
+    let Some(end) = resp.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return resp;
+    };
     if head.method_bytes() == b"HEAD" {
-        if let Some(end) = resp.windows(4).position(|w| w == b"\r\n\r\n") {
-            resp.truncate(end + 4);
+        resp.truncate(end + 4);
+    }
+    // An HTTP/1.0 connection persists only when the answer says so (RFC 9112 §9.3 and
+    // C.2.2): without `keep-alive` a 1.0 client (`ab -k`) reads this answer to the close
+    // that never comes. A kept connection's answer has no `Connection: close`.
+    if head.minor_version == 0 {
+        let closes = resp[..end + 2]
+            .windows(21)
+            .any(|w| w == b"\r\nConnection: close\r\n");
+        if !closes {
+            resp.splice(end + 2..end + 2, *b"Connection: keep-alive\r\n");
         }
     }
     resp
