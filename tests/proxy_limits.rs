@@ -448,3 +448,46 @@ fn http_1_0_keep_alive_clients_are_told_on_the_routers_own_answers() {
     rd.read_to_end(&mut rest).unwrap();
     assert!(rest.is_empty());
 }
+
+/// A chunked body whose framing breaks in the peer's first read: the client gets the
+/// response head and what decoded before the break, then the cut, as when it breaks in a
+/// later read (it used to get an empty reply while the access line said 200).
+#[test]
+fn a_chunked_body_broken_in_its_first_read_still_gives_the_client_the_head() {
+    for (what, json) in [("sse", false), ("json", true)] {
+        let ctype = if json {
+            "application/json"
+        } else {
+            "text/event-stream"
+        };
+        let b = raw_backend(
+            vec![format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: {ctype}\r\nTransfer-Encoding: chunked\r\n\r\n\
+                 e\r\ndata: {{\"x\":1}}\n\n\r\nzz\r\n"
+            )
+            .into_bytes()],
+            usize::MAX,
+        );
+        let env = start(&[("r", route_for(&[b.addr], ""))], "");
+        let mut c = connect(env.public());
+        c.write_all(b"GET /r/v1/x HTTP/1.1\r\nHost: t\r\n\r\n")
+            .unwrap();
+        let mut got = Vec::new();
+        c.read_to_end(&mut got).unwrap();
+        let text = String::from_utf8_lossy(&got);
+        assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "{what}: {text:?}");
+        // The control: the response is cut, not completed (no last chunk).
+        let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        assert!(!body.contains("0\r\n\r\n"), "{what}: {text:?}");
+        // An HTTP/1.0 client gets the body de-chunked: what decoded before the break
+        // reaches it.
+        let mut c = connect(env.public());
+        c.write_all(b"GET /r/v1/x HTTP/1.0\r\n\r\n").unwrap();
+        let mut got = Vec::new();
+        c.read_to_end(&mut got).unwrap();
+        let text = String::from_utf8_lossy(&got);
+        assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "{what}: {text:?}");
+        let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        assert!(body.starts_with("data: {\"x\":1}\n"), "{what}: {text:?}");
+    }
+}

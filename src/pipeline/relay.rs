@@ -341,6 +341,7 @@ pub async fn relay(
         // Account for the new bytes in `pending[pstart..]`: `emit` is the part the client
         // gets as is (pass-through); decoded bytes go to `decoded`.
         let data = &pending[pstart..];
+        let mut broken = None;
         let mut finished = false;
         let mut clean = true;
         let emit = match &mut tracker {
@@ -372,12 +373,13 @@ pub async fn relay(
                     stats.body(d);
                     data_bytes += d.len();
                 });
-                let Ok(used) = used else {
-                    return (
-                        RelayEnd::UpstreamError("malformed chunked response body"),
-                        Some(pending),
-                    );
-                };
+                // Broken framing: what decoded before it, and the head if it has not gone
+                // yet, still reach the client (below), then the response is cut. The
+                // client of a first read that broke used to get nothing at all.
+                let used = used.unwrap_or_else(|_| {
+                    broken = Some("malformed chunked response body");
+                    0
+                });
                 note_body(stats, read_at, data_bytes, !decode);
                 if dec.is_done() {
                     finished = true;
@@ -456,6 +458,10 @@ pub async fn relay(
                 }
                 out.clear();
             }
+        }
+        if let Some(why) = broken {
+            give_back(heads, [&mut out, &mut body, &mut decoded]);
+            return (RelayEnd::UpstreamError(why), Some(pending));
         }
         if finished {
             // The write, filter and decode buffers go back for the next request's head (the
