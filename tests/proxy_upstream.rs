@@ -300,6 +300,17 @@ fn every_response_framing_is_relayed() {
                 "{}",
                 String::from_utf8_lossy(&buf)
             );
+            // An HTTP/1.0 client gets no 1xx (RFC 9110 §15.2): the final answer comes first.
+            let mut c = connect(env.public());
+            c.write_all(b"GET /r/x HTTP/1.0\r\n\r\n").unwrap();
+            let mut got = Vec::new();
+            c.read_to_end(&mut got).unwrap();
+            let text = String::from_utf8_lossy(&got);
+            assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "{text}");
+            assert!(
+                text.ends_with("\r\n\r\nhi") && !text.contains("103"),
+                "{text}"
+            );
         }
     }
 }

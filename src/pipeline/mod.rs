@@ -963,6 +963,11 @@ async fn proxy(
                 // heads): one spare buffer per request.
                 let mut out = std::mem::take(&mut ex.req);
                 out.clear();
+                // No 1xx goes to an HTTP/1.0 client, which would take it for the answer
+                // (RFC 9110 §15.2).
+                if head.minor_version == 0 {
+                    ex.interim.clear();
+                }
                 out.append(&mut ex.interim);
                 client_head(&mut out, &ex.head, head, &routing, &routed, keep, client);
                 let event_stream = ex
