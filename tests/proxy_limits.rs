@@ -491,3 +491,42 @@ fn a_chunked_body_broken_in_its_first_read_still_gives_the_client_the_head() {
         assert!(body.starts_with("data: {\"x\":1}\n"), "{what}: {text:?}");
     }
 }
+
+/// Empty lines before a request line are ignored (RFC 9112 §2.2): a CRLF a client sends
+/// after a body neither starts the head timeout (an unasked-for 408 came then) nor keeps
+/// the connection past its idle timeout, and a request after it is served.
+#[test]
+fn a_crlf_after_a_body_is_not_the_start_of_a_request() {
+    let m = mock("m0");
+    let env = start(
+        &[("r", route_for(&[m.addr()], ""))],
+        "client_idle_timeout_ms = 1500\nclient_head_timeout_ms = 400\n",
+    );
+    let c = connect(env.public());
+    let mut rd = BufReader::new(c.try_clone().unwrap());
+    let mut c = c;
+    let mut req = post_json("/r/v1/chat/completions", &chat_body("x", false), "");
+    req.extend_from_slice(b"\r\n");
+    c.write_all(&req).unwrap();
+    assert_eq!(read_response(&mut rd, false).unwrap().status, 200);
+    // A request after empty lines, even in pieces, is served.
+    c.write_all(b"\r\n\r\n").unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    c.write_all(b"GET /r/v1/models HTTP/1.1\r\nHost: t\r\n\r\n\r\n")
+        .unwrap();
+    assert_eq!(read_response(&mut rd, false).unwrap().status, 200);
+    // Then nothing: the connection closes at the idle timeout with no 408.
+    let t = std::time::Instant::now();
+    let mut rest = Vec::new();
+    rd.read_to_end(&mut rest).unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&rest),
+        "",
+        "no answer to an empty line"
+    );
+    let waited = t.elapsed();
+    assert!(
+        waited >= std::time::Duration::from_millis(1200),
+        "closed after {waited:?}, before the idle timeout"
+    );
+}

@@ -135,6 +135,17 @@ pub enum HeadRead {
     Refuse(ProxyError),
 }
 
+/// Drops the CR and LF bytes at the start of `buf`: empty lines before a request line.
+fn skip_empty_lines(buf: &mut Vec<u8>) {
+    let n = buf
+        .iter()
+        .take_while(|&&b| b == b'\r' || b == b'\n')
+        .count();
+    if n > 0 {
+        buf.drain(..n);
+    }
+}
+
 impl ClientConn {
     /// Wait for the next request head. `idle` bounds the wait for its first byte,
     /// `head_timeout` the time to receive the rest.
@@ -144,10 +155,18 @@ impl ClientConn {
         head_timeout: Duration,
         drain: Option<(&crate::worker::LocalNotify, Duration)>,
     ) -> HeadRead {
+        // Empty lines before a request line are ignored (RFC 9112 §2.2; some clients send
+        // a CRLF after a body): they neither start the head's timeout nor restart the idle
+        // wait.
+        skip_empty_lines(&mut self.inbuf);
         let mut started = !self.inbuf.is_empty();
         let mut deadline = None;
         // Taken whatever happens: it describes the response just finished, never a later one.
-        let mut idle_since = self.idle_since.take();
+        let idle_deadline = self
+            .idle_since
+            .take()
+            .map_or_else(Instant::now, Instant::from_std)
+            + idle;
         loop {
             if !self.inbuf.is_empty() {
                 match http::parse_request(&self.inbuf) {
@@ -162,26 +181,30 @@ impl ClientConn {
             let wait = if started {
                 *deadline.get_or_insert_with(|| Instant::now() + head_timeout)
             } else {
-                idle_since
-                    .take()
-                    .map_or_else(Instant::now, Instant::from_std)
-                    + idle
+                idle_deadline
             };
-            let fill = pin!(fill(&mut self.rd, &mut self.inbuf));
-            let r = match drain {
-                // Between requests, a drain cuts the wait to its grace: a request already on
-                // its way is read (by the same receive: nothing is lost to a cancelled one)
-                // and answered; an idle connection closes when the grace ends.
-                Some((drain, grace)) if !started => {
-                    until_drain(&mut self.timer, wait, drain, grace, fill).await
+            let r = {
+                let fill = pin!(fill(&mut self.rd, &mut self.inbuf));
+                match drain {
+                    // Between requests, a drain cuts the wait to its grace: a request already
+                    // on its way is read (by the same receive: nothing is lost to a cancelled
+                    // one) and answered; an idle connection closes when the grace ends.
+                    Some((drain, grace)) if !started => {
+                        until_drain(&mut self.timer, wait, drain, grace, fill).await
+                    }
+                    _ => until(&mut self.timer, wait, fill).await,
                 }
-                _ => until(&mut self.timer, wait, fill).await,
             };
             match r {
                 Err(_elapsed) if started => return HeadRead::Refuse(ProxyError::HeadTimeout),
                 Err(_elapsed) => return HeadRead::Closed,
                 Ok(Ok(0)) | Ok(Err(_)) => return HeadRead::Closed,
-                Ok(Ok(_)) => started = true,
+                Ok(Ok(_)) => {
+                    if !started {
+                        skip_empty_lines(&mut self.inbuf);
+                    }
+                    started = !self.inbuf.is_empty();
+                }
             }
         }
     }
