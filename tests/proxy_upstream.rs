@@ -991,3 +991,39 @@ fn a_status_line_without_a_usable_reason_is_relayed_with_the_standard_one() {
     assert_eq!(panics.len(), 2, "{metrics}");
     assert!(panics.iter().all(|l| l.ends_with(" 0")), "{panics:?}");
 }
+
+/// A JSON response whose `usage` is followed by more than the tail the relay keeps (vLLM
+/// writes `prompt_logprobs` and `prompt_token_ids` after it): the tokens are still counted
+/// (they went unread, with no TTFT/decode-rate sample and no cache figures).
+#[test]
+fn a_json_usage_followed_by_a_long_token_list_is_still_counted() {
+    let mut body = br#"{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3000,"completion_tokens":8,"total_tokens":3008,"prompt_tokens_details":{"cached_tokens":2900}},"prompt_token_ids":["#.to_vec();
+    body.extend((0..3000).flat_map(|i| format!("{i},").into_bytes()));
+    body.extend_from_slice(b"1]}");
+    let mut resp = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    resp.extend_from_slice(&body);
+    let b = raw_backend(vec![resp], usize::MAX);
+    let env = start(&[("r", route_for(&[b.addr], ""))], "");
+    let r = request(
+        env.public(),
+        &post_json("/r/v1/chat/completions", &chat_body("x", false), ""),
+    );
+    assert_eq!((r.status, r.body.len()), (200, body.len()));
+    let mut st = serde_json::Value::Null;
+    eventually(Duration::from_secs(5), "the tokens recorded", || {
+        st = request(env.public(), &get("/r/_route_state")).json();
+        st["cache"]["completion_tokens"] != 0
+    });
+    assert_eq!(
+        (
+            st["cache"]["prompt_tokens"].as_u64(),
+            st["cache"]["cached_tokens"].as_u64()
+        ),
+        (Some(3000), Some(2900)),
+        "{st}"
+    );
+}

@@ -992,7 +992,13 @@ async fn proxy(
                 let mut stats = RelayStats {
                     capture: bodylog_capture(ctx, route, &p.body, inserted_at),
                     // The usage-frame filter reads the usage as the events pass: no tail then.
-                    tail: (!filters.reads_usage()).then(|| ctx.take_tail()),
+                    tail: (!filters.reads_usage()).then(|| {
+                        let mut t = ctx.take_tail();
+                        if !event_stream {
+                            t.watch_json();
+                        }
+                        t
+                    }),
                     ..RelayStats::default()
                 };
                 // Nothing is retried once a response is relayed: a long stream should not
@@ -1056,7 +1062,10 @@ async fn proxy(
                     stats.usage = match filters.seen_usage() {
                         Some(seen) => seen,
                         None if sse => crate::transform::usage_from_sse(tail),
-                        None => crate::usage::usage_in_json_tail(tail),
+                        None => crate::usage::usage_in_json_tail(tail).or_else(|| {
+                            let early = stats.tail.as_ref().map(relay::Tail::early_usage);
+                            crate::usage::usage_in_json_tail(early.unwrap_or_default())
+                        }),
                     };
                     if let Some(u) = stats.usage {
                         account_usage(seg, route, routed.peer, &u);

@@ -110,45 +110,100 @@ fn count_small_read(streak: u32, n: usize, cap: usize) -> u32 {
     }
 }
 
-/// The last `TAIL_BYTES` bytes of a body, kept as it streams past.
+/// The last `TAIL_BYTES` bytes of a body, kept as it streams past; for a JSON body also
+/// the last `"usage"` key that has left them, with what followed it.
 #[derive(Debug, Default, Clone)]
-pub struct Tail(Vec<u8>);
+pub struct Tail {
+    buf: Vec<u8>,
+    /// Watch the bytes that leave `buf` for a `"usage"` key (a JSON body: vLLM writes its
+    /// `usage` before `prompt_logprobs` and `prompt_token_ids`, which can be megabytes).
+    json: bool,
+    /// That key and up to [`EARLY_USAGE_BYTES`] after it, from the last one seen.
+    early: Vec<u8>,
+}
 
 /// Enough for a final usage frame (and `[DONE]`) or a JSON body's closing `usage`.
 pub const TAIL_BYTES: usize = 2048;
+/// How much of a JSON body is kept from a `"usage"` key that has left the tail.
+pub const EARLY_USAGE_BYTES: usize = 1024;
+const USAGE_KEY: &[u8] = b"\"usage\"";
 
 impl Tail {
     /// A tail kept in `buf` (cleared first; a buffer of `TAIL_BYTES` is never grown).
     pub fn with_buf(mut buf: Vec<u8>) -> Tail {
         buf.clear();
-        Tail(buf)
+        Tail {
+            buf,
+            json: false,
+            early: Vec::new(),
+        }
+    }
+
+    /// Also keep the last `"usage"` key that leaves the tail (a JSON body's).
+    pub fn watch_json(&mut self) {
+        self.json = true;
     }
 
     /// The buffer, for reuse.
     pub fn into_buf(self) -> Vec<u8> {
-        self.0
+        self.buf
     }
 
     pub fn push(&mut self, d: &[u8]) {
         if d.len() >= TAIL_BYTES {
-            self.0.clear();
-            self.0.extend_from_slice(&d[d.len() - TAIL_BYTES..]);
+            let cut = d.len() - TAIL_BYTES;
+            if self.json {
+                self.catch_usage(self.buf.len(), d, cut);
+            }
+            self.buf.clear();
+            self.buf.extend_from_slice(&d[cut..]);
             return;
         }
-        let over = (self.0.len() + d.len()).saturating_sub(TAIL_BYTES);
+        let over = (self.buf.len() + d.len()).saturating_sub(TAIL_BYTES);
         if over > 0 {
-            self.0.drain(..over);
+            if self.json {
+                self.catch_usage(over, d, 0);
+            }
+            self.buf.drain(..over);
         }
-        if self.0.capacity() - self.0.len() < d.len() {
+        if self.buf.capacity() - self.buf.len() < d.len() {
             // Grow straight to the final size: a doubling Vec overshoots it by up to half
             // again, held by every open stream.
-            self.0.reserve_exact(TAIL_BYTES - self.0.len());
+            self.buf.reserve_exact(TAIL_BYTES - self.buf.len());
         }
-        self.0.extend_from_slice(d);
+        self.buf.extend_from_slice(d);
+    }
+
+    /// `buf[..from_buf]` and `d[..from_d]` are about to leave the tail: keep the last
+    /// `"usage"` key that starts in them, with what follows it in `buf` and `d`. (A key
+    /// split between `buf` and `d` is not seen: a JSON body's usage then goes unread.)
+    fn catch_usage(&mut self, from_buf: usize, d: &[u8], from_d: usize) {
+        let keep = |early: &mut Vec<u8>, parts: [&[u8]; 2]| {
+            early.clear();
+            for p in parts {
+                let room = EARLY_USAGE_BYTES - early.len();
+                early.extend_from_slice(&p[..p.len().min(room)]);
+            }
+        };
+        let within = |hay: &[u8], n: usize| {
+            let end = (n + USAGE_KEY.len() - 1).min(hay.len());
+            memchr::memmem::rfind(&hay[..end], USAGE_KEY).filter(|&at| at < n)
+        };
+        if let Some(at) = within(d, from_d) {
+            keep(&mut self.early, [&d[at..], &[]]);
+        } else if let Some(at) = within(&self.buf, from_buf) {
+            let (buf, early) = (&self.buf, &mut self.early);
+            keep(early, [&buf[at..], d]);
+        }
     }
 
     pub fn bytes(&self) -> &[u8] {
-        &self.0
+        &self.buf
+    }
+
+    /// The last `"usage"` key that left the tail, with what followed it (empty if none).
+    pub fn early_usage(&self) -> &[u8] {
+        &self.early
     }
 }
 
@@ -579,6 +634,38 @@ mod tests {
     }
 
     #[test]
+    fn a_json_bodys_usage_is_kept_when_megabytes_follow_it() {
+        // vLLM's order: usage, then prompt_logprobs / prompt_token_ids.
+        let mut body = br#"{"id":"x","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":30000,"completion_tokens":8,"prompt_tokens_details":{"cached_tokens":29000}},"prompt_token_ids":["#.to_vec();
+        for i in 0..30_000 {
+            body.extend_from_slice(format!("{i},").as_bytes());
+        }
+        body.extend_from_slice(b"1]}");
+        for step in [1, 7, 100, 2047, 2048, 5000, 16384, body.len()] {
+            let mut t = Tail::default();
+            t.watch_json();
+            for piece in body.chunks(step) {
+                t.push(piece);
+            }
+            assert!(crate::usage::usage_in_json_tail(t.bytes()).is_none());
+            let u = crate::usage::usage_in_json_tail(t.early_usage())
+                .unwrap_or_else(|| panic!("no usage kept, pieces of {step}"));
+            assert_eq!(
+                (u.prompt_tokens, u.completion_tokens, u.cached_tokens),
+                (Some(30000), Some(8), Some(29000)),
+                "pieces of {step}"
+            );
+            assert!(t.early_usage().len() <= EARLY_USAGE_BYTES);
+        }
+        // The control: an event stream's tail (not watched) keeps nothing early.
+        let mut t = Tail::default();
+        for piece in body.chunks(5000) {
+            t.push(piece);
+        }
+        assert!(t.early_usage().is_empty());
+    }
+
+    #[test]
     fn a_token_stream_reads_into_the_small_buffer_and_a_burst_switches_back() {
         // A stream of ~200-byte events: after the streak, the relay holds 2 KiB, not 16.
         let mut streak = 0;
@@ -606,7 +693,7 @@ mod tests {
         let mut t = Tail::default();
         for i in 0..10_000 {
             t.push(format!("data: {{\"i\":{i}}}\n\n").as_bytes());
-            assert!(t.0.capacity() <= TAIL_BYTES, "{}", t.0.capacity());
+            assert!(t.buf.capacity() <= TAIL_BYTES, "{}", t.buf.capacity());
         }
         assert_eq!(t.bytes().len(), TAIL_BYTES);
         assert!(t.bytes().ends_with(b"{\"i\":9999}\n\n"));
