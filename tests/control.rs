@@ -215,6 +215,21 @@ fn session_priority_refuses_turn_one_first_near_the_limit() {
     );
     assert_eq!(t1.status, 429);
     assert_eq!(t1.json()["error"]["type"], "concurrency_limit_exceeded");
+    // The body gives the graded gate's figures: 9 in flight is under `limit` (10), at the
+    // turn-1 bucket's ceiling.
+    let e = &t1.json()["error"];
+    assert_eq!(
+        (
+            e["limit"].as_u64(),
+            e["inflight"].as_u64(),
+            e["turn_bucket"].as_u64(),
+            e["bucket_min_turn"].as_u64(),
+            e["share"].as_f64(),
+            e["bucket_limit"].as_u64()
+        ),
+        (Some(10), Some(9), Some(0), Some(1), Some(0.85), Some(9)),
+        "{e}"
+    );
     let warm_h = format!("{}x-mock-ttft-ms: 1500\r\n", turn(8));
     let warm = std::thread::spawn(move || {
         request(

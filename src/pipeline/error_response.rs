@@ -79,6 +79,10 @@ pub struct ConcurrencyFigures {
     /// The pool's 5-minute sampled in-flight average (SPEC §5.5), filled in when the gate
     /// refuses (it is read from the segment only then).
     pub avg_5min: f64,
+    /// With session turn priority on: the request's turn bucket (its index in
+    /// `_session_status`'s table and its first turn), its share, and the ceiling the gate
+    /// applied to it (`⌈limit × rt_factor × share⌉`).
+    pub prio: Option<(usize, u64, f64, f64)>,
 }
 
 impl ProxyError {
@@ -256,6 +260,12 @@ impl ProxyError {
                 err.insert("healthy_peers".into(), json!(f.healthy_peers));
                 err.insert("active_level".into(), json!(f.active_level));
                 err.insert("avg_5min".into(), json!(round1(f.avg_5min)));
+                if let Some((bucket, min_turn, share, ceiling)) = f.prio {
+                    err.insert("turn_bucket".into(), json!(bucket));
+                    err.insert("bucket_min_turn".into(), json!(min_turn));
+                    err.insert("share".into(), json!(share));
+                    err.insert("bucket_limit".into(), limit_json(ceiling));
+                }
             }
             _ => {}
         }

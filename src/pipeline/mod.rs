@@ -652,6 +652,12 @@ async fn proxy(
                 // Unmet demand, for the adaptive limit.
                 ctl_cell(control::pool_state::ctl::REJ).fetch_add(1, Relaxed);
                 fig.avg_5min = latency::cluster_avg(pool, seg, now_s).0;
+                // The graded gate's own figures: a turn-1 refusal below `limit` says why.
+                fig.prio = prio.as_ref().map(|(_, table, b)| {
+                    let share = table[*b].share;
+                    let ceiling = control::session_prio::ceiling(fig.limit, fig.rt_factor, share);
+                    (*b, table[*b].min_turn, share, ceiling)
+                });
                 shed = Some(ProxyError::ConcurrencyLimit(fig));
             } else {
                 latency::count_trip(seg, pool, "concurrency");
