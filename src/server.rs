@@ -162,6 +162,34 @@ fn reclaim_dead_rows(seg: &Segment) {
     }
 }
 
+/// `--takeover` shares the ports with whoever serves them, and retires the routers whose
+/// rows are in the segment. A port served while the segment has no other live router is
+/// served by something else (a router with another `shm_path`, or another program): the
+/// two would split the connections for good, each with its own counts and limits.
+fn refuse_takeover_of_a_stranger(
+    seg: &Segment,
+    shm_path: &std::path::Path,
+    public: std::net::SocketAddr,
+) -> io::Result<()> {
+    let me = std::process::id();
+    let others = seg
+        .workers()
+        .into_iter()
+        .any(|(_, pid, _, _)| pid != me && warmroute_shm::pid_alive(pid));
+    if others || !crate::worker::port_served(public) {
+        return Ok(());
+    }
+    Err(io::Error::new(
+        io::ErrorKind::AddrInUse,
+        format!(
+            "--takeover: {public} is served by a process that does not use the shared segment \
+             {} (a router with another shm_path, or another program); a takeover shares the \
+             running router's segment: give this one the same shm_path",
+            shm_path.display()
+        ),
+    ))
+}
+
 /// `--takeover`: once this process's workers accept on the shared ports, ask every other
 /// live process with rows in the segment (the router being replaced) to drain. Its
 /// listeners close, in-flight requests and streams finish, and new connections land here.
@@ -296,6 +324,10 @@ impl Router {
                 format!("shared segment {}: {e}", server.shm_path.display()),
             ))
         })?);
+        if overrides.takeover {
+            refuse_takeover_of_a_stranger(&seg, &server.shm_path, server.listen)
+                .map_err(StartError::Io)?;
+        }
         let keys = Arc::new(load_keys(&config, None));
         let snapshot = Arc::new(
             Snapshot::build(config.clone(), keys.clone(), &seg, 1)

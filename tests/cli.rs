@@ -376,6 +376,38 @@ fn a_second_router_on_the_same_port_is_refused_unless_takeover() {
         err.contains("already served") && err.contains("--takeover"),
         "{err}"
     );
+    // --takeover with another segment is refused too: it would share the ports with a
+    // router it cannot see or retire, for good.
+    let log = d.0.join("takeover-other-seg.log");
+    let mut child = Command::new(BIN)
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .args(["--no-pin", "--takeover", "--shm"])
+        .arg(d.0.join("other-seg"))
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break Some(st);
+        }
+        if t0.elapsed() > Duration::from_secs(10) {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let err = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        status.is_some_and(|st| !st.success()),
+        "the takeover on another segment started ({status:?}): {err}"
+    );
+    assert!(
+        err.contains("does not use the shared segment") && err.contains("same shm_path"),
+        "{err}"
+    );
     // The first one is untouched.
     assert_eq!(
         request(

@@ -51,6 +51,14 @@ pub fn bind_shared(
     Ok((all, bound))
 }
 
+/// Whether a listener (of any process) already serves `addr`: a plain bind fails and a
+/// socket listens on the port. For `--takeover`, which shares the port whoever holds it.
+pub fn served(addr: SocketAddr) -> bool {
+    addr.port() != 0
+        && TcpListener::bind(addr).is_err_and(|e| e.kind() == io::ErrorKind::AddrInUse)
+        && listening_on(addr.port()).unwrap_or(true)
+}
+
 /// Why `addr` cannot be bound, as far as can be told: something listens there (another
 /// router: `--takeover` is the way), or only a connection holds the port, typically an
 /// outgoing one from the kernel's ephemeral range waiting out its TIME-WAIT, which no

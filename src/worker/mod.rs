@@ -11,6 +11,7 @@ pub mod busy_poll;
 pub mod contain;
 mod ctx;
 mod listen;
+pub use listen::served as port_served;
 mod notify;
 pub mod quota;
 pub mod stderr;
