@@ -744,6 +744,15 @@ fn read_models(v: &Val, field: &str, d: &mut Diag) -> Option<Vec<String>> {
 
 fn read_api_keys(r: &toml::Value, field: &str, d: &mut Diag) -> Option<BTreeMap<String, String>> {
     let t = value::table(r, field, d)?;
+    if t.is_empty() {
+        // It replaces the key file's keys for this route (SPEC §7): with none, the route is
+        // open even when the key file protects the others.
+        d.warn(
+            field,
+            "empty: this route accepts requests without a key, whatever the key file holds; \
+             remove the table to use the key file's keys",
+        );
+    }
     let mut out = BTreeMap::new();
     let mut ok = true;
     for (key, owner) in t {
@@ -1075,6 +1084,12 @@ const PEER_KEYS: &str = "host, port, name, priority, max_concurrency, probe, gpu
 /// Parses an array of peer tables; `None` when any peer has an error.
 fn parse_peers(v: &toml::Value, field: &str, d: &mut Diag) -> Option<Vec<PeerConfig>> {
     let items = value::array(v, field, d)?;
+    if items.is_empty() {
+        d.warn(
+            field,
+            "no peers: every request to this pool gets 503 no_healthy_peer",
+        );
+    }
     let before = d.errors.len();
     let mut out: Vec<PeerConfig> = Vec::with_capacity(items.len());
     for (i, item) in items.iter().enumerate() {

@@ -992,3 +992,23 @@ fn a_ttft_limit_at_or_under_the_first_bucket_is_warned_about() {
     let c = one(&format!("{MIN_ROUTE}\nttft_limit_ms = 300\n")).unwrap();
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);
 }
+
+#[test]
+fn an_empty_key_table_and_an_empty_peer_list_are_warned_about() {
+    // Each loads (an empty pool answers 503, an empty key table opens the route), but
+    // `check` says so.
+    let c = one("peers = []\napi_keys = {}\n").unwrap();
+    let mut fields: Vec<&str> = c.warnings.iter().map(|w| w.field.as_str()).collect();
+    fields.sort();
+    assert_eq!(fields, ["api_keys", "peers"], "{:?}", c.warnings);
+    assert!(
+        c.warnings
+            .iter()
+            .any(|w| w.message.contains("without a key")),
+        "{:?}",
+        c.warnings
+    );
+    // The control: a key table with a key, and a pool with a peer, are not.
+    let c = one(&format!("{MIN_ROUTE}\napi_keys = {{ \"sk\" = \"o\" }}\n")).unwrap();
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+}
