@@ -72,6 +72,8 @@ impl fmt::Debug for KeyTable {
 impl KeyTable {
     /// Parse key-file text (see the module contract).
     pub fn parse(text: &str) -> KeyTable {
+        // A byte-order mark (a file saved by Notepad) is not part of the first key.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         let mut map = BTreeMap::new();
         for line in text.lines() {
             let line = line.trim();
@@ -427,6 +429,16 @@ mod tests {
         assert_eq!(pairs(&t), p(&[("k1", "alice"), ("k2", "bob")]));
         assert_eq!(t.len(), 2);
         assert!(!t.is_empty());
+    }
+
+    #[test]
+    fn parse_skips_a_byte_order_mark() {
+        // Notepad saves UTF-8 with one: the first key used to carry it and never match.
+        let t = KeyTable::parse("\u{feff}k1:alice\nk2:bob\n");
+        assert_eq!(pairs(&t), p(&[("k1", "alice"), ("k2", "bob")]));
+        // Only at the start: elsewhere it is part of a key.
+        let t = KeyTable::parse("k1:alice,\u{feff}k2:bob");
+        assert_eq!(pairs(&t), p(&[("k1", "alice"), ("\u{feff}k2", "bob")]));
     }
 
     #[test]
