@@ -388,11 +388,18 @@ impl Router {
     }
 
     fn reload_from(&mut self, cause: ReloadCause) -> Result<(), Vec<ConfigError>> {
-        let fresh = self.source.load()?;
+        let fresh = match self.source.load() {
+            Ok(f) => f,
+            Err(e) => {
+                self.apply_key_file_alone();
+                return Err(e);
+            }
+        };
         if cause == ReloadCause::Watcher
             && fresh.routes.is_empty()
             && !self.config.routes.is_empty()
         {
+            self.apply_key_file_alone();
             return Err(vec![ConfigError {
                 file: fresh.server.routes_dir.clone(),
                 field: "(routes)".into(),
@@ -436,6 +443,36 @@ impl Router {
             "configuration reloaded"
         );
         Ok(())
+    }
+
+    /// A reload refused for the files on disk still applies a changed key file to the
+    /// running configuration: a key taken out of the file (rotated out, revoked) stops
+    /// working, and a new one works, whatever else is broken on disk.
+    fn apply_key_file_alone(&mut self) {
+        let Some(path) = self.config.server.api_keys_file.as_deref() else {
+            return;
+        };
+        if crate::auth::file_stamp(path) == self.keys.stamp {
+            return;
+        }
+        let keys = Arc::new(load_keys(&self.config, Some(&self.keys)));
+        match Snapshot::build(
+            self.config.clone(),
+            keys.clone(),
+            &self.seg,
+            self.generation + 1,
+        ) {
+            Ok(snap) => {
+                self.generation += 1;
+                self.keys = keys;
+                self.workers.publish(Arc::new(snap));
+                tracing::warn!(
+                    generation = self.generation,
+                    "the key file changed: its keys are in force; the rest of the reload was refused"
+                );
+            }
+            Err(e) => tracing::error!("the key file changed, but could not be applied: {e}"),
+        }
     }
 
     /// What the watcher compares to notice changes on disk: the server file, every route

@@ -1241,6 +1241,42 @@ fn a_key_file_emptied_on_a_running_router_keeps_the_keys_in_force() {
     });
 }
 
+/// A key file rotated while a route file on disk is broken: the configuration reload is
+/// refused, but the keys apply (a revoked key stops working). They used to wait until the
+/// route file was fixed, and nothing said so.
+#[test]
+fn a_key_rotation_applies_while_a_broken_route_file_is_refused() {
+    let d = temp_dir("keys-broken-route");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let keys = d.0.join("keys");
+    std::fs::write(&keys, "old-key:alice\n").unwrap();
+    let (p, text) = start_serve_logging(
+        &d.0,
+        &format!("api_keys_file = \"{}\"\n", keys.display()),
+        &[],
+    );
+    assert_eq!(chat_with_key(&p, "a", "old-key", "").status, 200);
+    std::fs::write(d.0.join("routes/bad.toml"), "peers = 5\n").unwrap();
+    std::fs::write(&keys, "new-key:bob\n").unwrap();
+    p.signal("HUP");
+    eventually(Duration::from_secs(5), "the new key in force", || {
+        (0..4).all(|_| {
+            chat_with_key(&p, "a", "new-key", "").status == 200
+                && chat_with_key(&p, "a", "old-key", "").status == 401
+        })
+    });
+    let log = text();
+    assert!(log.contains("the rest of the reload was refused"), "{log}");
+    // The control: the broken route file was refused, so no route "bad" is served.
+    assert!(log.contains("reload refused"), "{log}");
+    assert_eq!(
+        request(p.public, &get("/bad/_route_state")).status,
+        404,
+        "the broken route was applied"
+    );
+}
+
 #[test]
 fn a_routes_directory_emptied_on_disk_is_not_applied_until_a_sighup() {
     // A deploy that empties the directory before copying the new files, seen by the
