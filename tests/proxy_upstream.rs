@@ -260,6 +260,8 @@ fn an_idle_pooled_connection_is_closed_before_the_engines_five_seconds() {
 fn every_response_framing_is_relayed() {
     let cases: Vec<(&str, &[u8], &[u8], &str)> = vec![
         ("GET", b"HTTP/1.1 204 No Content\r\nX-A: 1\r\n\r\n", b"", "204"),
+        // A peer's length on a 204 does not reach the client (RFC 9110 §8.6).
+        ("GET", b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n", b"", "204+length"),
         ("GET", b"HTTP/1.1 304 Not Modified\r\nETag: x\r\n\r\n", b"", "304"),
         ("HEAD", b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n", b"", "head"),
         ("GET", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\nX-T: 1\r\n\r\n", b"abc", "chunked+trailer"),
@@ -282,6 +284,9 @@ fn every_response_framing_is_relayed() {
             assert_eq!(resp.body, body, "{what}");
             if what == "head" {
                 assert_eq!(resp.header("content-length"), Some("1234"));
+            }
+            if what.starts_with("204") {
+                assert_eq!(resp.header("content-length"), None, "{what}");
             }
             if close {
                 assert_eq!(resp.header("connection"), Some("close"), "{what}");

@@ -1708,13 +1708,16 @@ fn client_head(
     // chunked (RFC 9112 §6.3); the length goes, or a client trusting it would lose its
     // place in the connection.
     let chunked_peer = up.framing == ResponseFraming::Chunked;
+    // A 204 has no content and says no length (RFC 9110 §8.6); the body is not read
+    // either way.
+    let no_length = up.status == 204;
     up.headers.write_lines(out, |name, _| {
         !(is_hop_by_hop(name)
             || (listed && up.headers.connection_lists(name))
             // Re-framed bodies carry our framing, not the peer's.
             || (reframed
                 && (name_is(name, b"transfer-encoding") || name_is(name, b"content-length")))
-            || (chunked_peer && name_is(name, b"content-length"))
+            || ((chunked_peer || no_length) && name_is(name, b"content-length"))
             // A peer's own routing headers never reach the client: ours describe this hop.
             || (name.len() > 9 && name_is(&name[..9], b"x-routed-")))
     });
