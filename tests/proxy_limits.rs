@@ -463,7 +463,7 @@ fn a_chunked_body_broken_in_its_first_read_still_gives_the_client_the_head() {
         let b = raw_backend(
             vec![format!(
                 "HTTP/1.1 200 OK\r\nContent-Type: {ctype}\r\nTransfer-Encoding: chunked\r\n\r\n\
-                 e\r\ndata: {{\"x\":1}}\n\n\r\nzz\r\n"
+                 f\r\ndata: {{\"x\":1}}\n\n\r\nzz\r\n"
             )
             .into_bytes()],
             usize::MAX,

@@ -185,13 +185,33 @@ impl Tail {
                 early.extend_from_slice(&p[..p.len().min(room)]);
             }
         };
-        let within = |hay: &[u8], n: usize| {
-            let end = (n + USAGE_KEY.len() - 1).min(hay.len());
-            memchr::memmem::rfind(&hay[..end], USAGE_KEY).filter(|&at| at < n)
+        // The last `"usage"` starting in `hay[..n]` that is a key opening an object: a
+        // string "usage" (a token in vLLM's `prompt_logprobs`) is passed over.
+        // `then`: the bytes that follow `hay`.
+        let within = |hay: &[u8], n: usize, then: &[u8]| {
+            let mut end = (n + USAGE_KEY.len() - 1).min(hay.len());
+            while let Some(at) = memchr::memmem::rfind(&hay[..end], USAGE_KEY) {
+                if at >= n {
+                    end = at + USAGE_KEY.len() - 1;
+                    continue;
+                }
+                let mut rest = hay[at + USAGE_KEY.len()..]
+                    .iter()
+                    .chain(then)
+                    .filter(|b| !b.is_ascii_whitespace());
+                // Bytes not there yet (at the end of `hay`) give it the benefit of the doubt.
+                if matches!(rest.next(), Some(b':') | None)
+                    && matches!(rest.next(), Some(b'{') | None)
+                {
+                    return Some(at);
+                }
+                end = at + USAGE_KEY.len() - 1;
+            }
+            None
         };
-        if let Some(at) = within(d, from_d) {
+        if let Some(at) = within(d, from_d, &[]) {
             keep(&mut self.early, [&d[at..], &[]]);
-        } else if let Some(at) = within(&self.buf, from_buf) {
+        } else if let Some(at) = within(&self.buf, from_buf, d) {
             let (buf, early) = (&self.buf, &mut self.early);
             keep(early, [&buf[at..], d]);
         }
@@ -428,9 +448,11 @@ pub async fn relay(
                     stats.body(d);
                     data_bytes += d.len();
                 });
-                // Broken framing: what decoded before it, and the head if it has not gone
-                // yet, still reach the client (below), then the response is cut. The
-                // client of a first read that broke used to get nothing at all.
+                // Broken framing: the head, if it has not gone yet, still reaches the
+                // client (below), and so does what decoded before the break when the body
+                // is re-framed (passed through, the broken read's bytes are not sent);
+                // then the response is cut. The client of a first read that broke used to
+                // get nothing at all.
                 let used = used.unwrap_or_else(|_| {
                     broken = Some("malformed chunked response body");
                     0
@@ -640,7 +662,14 @@ mod tests {
         for i in 0..30_000 {
             body.extend_from_slice(format!("{i},").as_bytes());
         }
-        body.extend_from_slice(b"1]}");
+        body.extend_from_slice(b"1],\"prompt_logprobs\":[");
+        // A token "usage" in the logprobs is a string, not the key.
+        for i in 0..300 {
+            body.extend_from_slice(
+                format!("{{\"{i}\":{{\"logprob\":-1.5,\"decoded_token\":\"usage\"}}}},").as_bytes(),
+            );
+        }
+        body.extend_from_slice(b"null]}");
         for step in [1, 7, 100, 2047, 2048, 5000, 16384, body.len()] {
             let mut t = Tail::default();
             t.watch_json();
