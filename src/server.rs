@@ -292,7 +292,17 @@ impl Router {
         for w in config.warnings.iter().chain(&config.soft_errors) {
             tracing::warn!("{w}");
         }
-        let config = Arc::new(apply_overrides(config, &overrides));
+        let config = apply_overrides(config, &overrides);
+        let server = &config.server;
+        if let Some(message) = crate::config::listen_conflict(&server.listen, &server.admin_listen)
+        {
+            return Err(StartError::Config(vec![ConfigError {
+                file: PathBuf::from("(command line)"),
+                field: "--admin-listen".into(),
+                message,
+            }]));
+        }
+        let config = Arc::new(config);
         let server = &config.server;
         match warmroute_shm::raise_nofile_limit() {
             Ok((before, after)) if after > before => {

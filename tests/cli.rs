@@ -419,6 +419,58 @@ fn a_second_router_on_the_same_port_is_refused_unless_takeover() {
     );
 }
 
+/// `--listen` and `--admin-listen` are checked against each other as the server file's
+/// addresses are: overlapping ones are refused before anything binds.
+#[test]
+fn overlapping_listen_addresses_from_the_command_line_are_refused() {
+    let d = temp_dir("cli-listen");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/r.toml"), route_for(&[m.addr()], "")).unwrap();
+    let port = free_port();
+    let cfg = d.0.join("warmroute.toml");
+    std::fs::write(
+        &cfg,
+        format!("routes_dir = \"{}\"\n", d.0.join("routes").display()),
+    )
+    .unwrap();
+    let run = |listen: String, admin: String| {
+        let mut child = Command::new(BIN)
+            .args(["serve", "--config"])
+            .arg(&cfg)
+            .args([
+                "--no-pin",
+                "--listen",
+                &listen,
+                "--admin-listen",
+                &admin,
+                "--shm",
+            ])
+            .arg(d.0.join("seg"))
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let t0 = Instant::now();
+        while child.try_wait().unwrap().is_none() && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let exited = child.try_wait().unwrap();
+        if exited.is_none() {
+            let _ = child.kill();
+        }
+        let out = child.wait_with_output().unwrap();
+        (exited, String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (st, err) = run(format!("0.0.0.0:{port}"), format!("127.0.0.1:{port}"));
+    assert!(st.is_some_and(|s| !s.success()), "started: {err}");
+    assert!(err.contains("overlaps the public listen address"), "{err}");
+    // The control: distinct ports start (and are stopped here).
+    let (st, err) = run(
+        format!("127.0.0.1:{port}"),
+        format!("127.0.0.1:{}", free_port()),
+    );
+    assert!(st.is_none(), "did not start: {err}");
+}
+
 #[test]
 fn status_reads_the_segment_of_a_running_router() {
     let d = temp_dir("status");

@@ -289,20 +289,8 @@ pub(crate) fn parse_server(
     if !shm_set {
         c.shm_path = default_shm_path(&c.listen);
     }
-    if c.listen == c.admin_listen && c.listen.port() != 0 {
-        d.error(
-            "admin_listen",
-            format!("{} is also the public listen address", c.admin_listen),
-        );
-    } else if listeners_overlap(&c.listen, &c.admin_listen) {
-        d.error(
-            "admin_listen",
-            format!(
-                "{} overlaps the public listen address {}: same port, and a wildcard \
-                 address takes in the other",
-                c.admin_listen, c.listen
-            ),
-        );
+    if let Some(msg) = listen_conflict(&c.listen, &c.admin_listen) {
+        d.error("admin_listen", msg);
     }
     if let Some(path) = env(ENV_API_KEYS_FILE).filter(|p| !p.trim().is_empty()) {
         c.api_keys_file = Some(PathBuf::from(path));
@@ -315,6 +303,22 @@ pub(crate) fn parse_server(
     ParsedServer {
         config: c,
         routes_dir_set,
+    }
+}
+
+/// What is wrong with an admin address next to the public one, if anything: the same
+/// address, or an overlapping one. Checked on the files and again on the command line's
+/// `--listen` / `--admin-listen`.
+pub fn listen_conflict(listen: &SocketAddr, admin: &SocketAddr) -> Option<String> {
+    if listen == admin && listen.port() != 0 {
+        Some(format!("{admin} is also the public listen address"))
+    } else if listeners_overlap(listen, admin) {
+        Some(format!(
+            "{admin} overlaps the public listen address {listen}: same port, and a wildcard \
+             address takes in the other"
+        ))
+    } else {
+        None
     }
 }
 
