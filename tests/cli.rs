@@ -708,6 +708,61 @@ fn sigterm_drains_in_flight_streams_then_exits() {
     assert!(status.success());
 }
 
+/// While a router drains, an idle kept connection closes when the drain's grace ends,
+/// even when its client keeps sending empty lines (each one used to restart the grace, and
+/// the connection stayed open up to its idle timeout).
+#[test]
+fn empty_lines_do_not_keep_a_connection_open_through_a_drain() {
+    let d = temp_dir("drain-crlf");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let mut p = start_serve(&d.0);
+    // A stream that keeps the drain going for about 4 s.
+    let mut s = connect(p.public);
+    s.write_all(&post_json(
+        "/a/v1/chat/completions",
+        &chat_body("x", true),
+        "x-mock-tokens: 40\r\nx-mock-interval-ms: 100\r\n",
+    ))
+    .unwrap();
+    // An idle kept connection, after one answer.
+    let c = connect(p.public);
+    let mut rd = BufReader::new(c.try_clone().unwrap());
+    let mut c = c;
+    c.write_all(&get("/a/v1/models")).unwrap();
+    assert_eq!(read_response(&mut rd, false).unwrap().status, 200);
+    p.signal("TERM");
+    let t0 = Instant::now();
+    let closed = std::thread::spawn(move || {
+        let mut rest = Vec::new();
+        let _ = rd.read_to_end(&mut rest);
+        (t0.elapsed(), rest)
+    });
+    // Empty lines every 100 ms for 2.5 s (writes fail once the router has closed).
+    while t0.elapsed() < Duration::from_millis(2500) && c.write_all(b"\r\n").is_ok() {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (after, rest) = closed.join().unwrap();
+    assert!(rest.is_empty(), "{:?}", String::from_utf8_lossy(&rest));
+    assert!(
+        after < Duration::from_millis(2000),
+        "the connection stayed open {after:?} into the drain"
+    );
+    // The control: the drain itself went on (the stream was still being served).
+    let mut rest = String::new();
+    BufReader::new(s.try_clone().unwrap())
+        .read_to_string(&mut rest)
+        .unwrap();
+    assert!(
+        rest.contains("[DONE]"),
+        "the stream finished during the drain"
+    );
+    drop(s);
+    assert!(p
+        .wait_exit(Duration::from_secs(10))
+        .is_some_and(|st| st.success()));
+}
+
 /// A router on route `a` (one mock peer) with one streaming request held in the engine
 /// for `hang_ms`: the directory, the mock, the router and the client's connection.
 fn serve_holding_one(

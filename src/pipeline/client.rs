@@ -162,11 +162,11 @@ impl ClientConn {
         let mut started = !self.inbuf.is_empty();
         let mut deadline = None;
         // Taken whatever happens: it describes the response just finished, never a later one.
-        let idle_deadline = self
-            .idle_since
-            .take()
-            .map_or_else(Instant::now, Instant::from_std)
-            + idle;
+        let idle_since = self.idle_since.take();
+        let mut idle_deadline = None;
+        // Once a drain has fired, when its grace ends: fixed at the first wait after it,
+        // so empty lines cannot stretch it.
+        let mut grace_end: Option<Instant> = None;
         loop {
             if !self.inbuf.is_empty() {
                 match http::parse_request(&self.inbuf) {
@@ -181,7 +181,15 @@ impl ClientConn {
             let wait = if started {
                 *deadline.get_or_insert_with(|| Instant::now() + head_timeout)
             } else {
-                idle_deadline
+                let idle_at = *idle_deadline.get_or_insert_with(|| {
+                    idle_since.map_or_else(Instant::now, Instant::from_std) + idle
+                });
+                match drain {
+                    Some((drain, grace)) if drain.is_fired() => {
+                        idle_at.min(*grace_end.get_or_insert_with(|| Instant::now() + grace))
+                    }
+                    _ => idle_at,
+                }
             };
             let r = {
                 let fill = pin!(fill(&mut self.rd, &mut self.inbuf));
