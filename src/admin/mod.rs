@@ -708,6 +708,12 @@ fn cache_json(ptok: u64, ctok: u64, completion: u64, responses: u64) -> Value {
 /// in-flight epoch is bumped first, so the requests in flight now do not give their units
 /// back when they end: the count stays N plus what starts after (it used to drift below N,
 /// and a flush with requests in flight let the limit be exceeded until a restart).
+///
+/// Limits: a request that takes its unit in the few instructions between another worker's
+/// epoch read and its add can be counted once too often or too few, until the next set.
+/// The rows then offset each other (this worker's below zero, others' above), which holds
+/// while they belong to one process; a takeover that overlaps a set, or a router from
+/// before the epoch sharing the segment, can leave the sum off again until the next set.
 fn active_conns_set(ctx: &WorkerCtx, route: &RouteRt, q: Option<&str>) -> Response {
     let seg = &ctx.shared.seg;
     let set_total = |slot, total: i64| {
