@@ -91,3 +91,49 @@ impl UpstreamPool {
         self.idle.iter().map(|(_, l)| l.len()).sum()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn a_connection_written_to_while_idle_is_dropped_once_idle_long_enough_to_look() {
+        let mut rt = monoio::RuntimeBuilder::<monoio::FusionDriver>::new()
+            .enable_timer()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = l.local_addr().unwrap();
+            let mut pool = UpstreamPool::new(4, Duration::from_secs(4));
+            let t0 = Instant::now();
+            // Two pooled connections: the peer writes on one while it is idle (an
+            // unsolicited 408), the other stays quiet.
+            let written = TcpStream::connect(addr).await.unwrap();
+            let (mut peer_w, _) = l.accept().unwrap();
+            let quiet = TcpStream::connect(addr).await.unwrap();
+            let (_peer_q, _) = l.accept().unwrap();
+            peer_w
+                .write_all(b"HTTP/1.1 408 Request Timeout\r\n\r\n")
+                .unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            let fd = written.as_raw_fd();
+            // Reused within LOOK_AFTER: not looked at (no system call under load).
+            pool.put(addr, written, t0);
+            let s = pool.take(addr, t0 + Duration::from_millis(1)).unwrap();
+            assert_eq!(s.as_raw_fd(), fd);
+            // Idle past LOOK_AFTER: looked at and dropped; the quiet one is taken instead.
+            pool.put(addr, quiet, t0);
+            let quiet_fd = pool.idle[0].1[0].0.as_raw_fd();
+            pool.put(addr, s, t0);
+            let got = pool.take(addr, t0 + LOOK_AFTER).unwrap();
+            assert_eq!(
+                got.as_raw_fd(),
+                quiet_fd,
+                "the written-to connection was reused"
+            );
+            assert_eq!(pool.idle_count(), 0);
+        });
+    }
+}
