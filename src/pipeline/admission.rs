@@ -29,7 +29,6 @@ pub fn figures(loads: &[Load], rt_limit_factor: f64) -> Option<ConcurrencyFigure
         healthy_peers,
         active_level: tier,
         avg_5min: 0.0,
-        prio: None,
     })
 }
 

@@ -48,7 +48,11 @@ pub enum ProxyError {
         model: Option<String>,
         supported: Vec<String>,
     },
-    ConcurrencyLimit(ConcurrencyFigures),
+    /// The gate's figures, and with session turn priority on the request's turn bucket
+    /// (its index in `_session_status`'s table and its first turn), its share, and the
+    /// ceiling the gate applied to it (`⌈limit × rt_factor × share⌉`). Kept out of
+    /// [`ConcurrencyFigures`], which every request builds.
+    ConcurrencyLimit(ConcurrencyFigures, Option<(usize, u64, f64, f64)>),
     RejectedByRule {
         rule: String,
         message: String,
@@ -79,10 +83,6 @@ pub struct ConcurrencyFigures {
     /// The pool's 5-minute sampled in-flight average (SPEC §5.5), filled in when the gate
     /// refuses (it is read from the segment only then).
     pub avg_5min: f64,
-    /// With session turn priority on: the request's turn bucket (its index in
-    /// `_session_status`'s table and its first turn), its share, and the ceiling the gate
-    /// applied to it (`⌈limit × rt_factor × share⌉`).
-    pub prio: Option<(usize, u64, f64, f64)>,
 }
 
 impl ProxyError {
@@ -102,7 +102,7 @@ impl ProxyError {
             ProxyError::Forbidden(_) => 403,
             ProxyError::Unauthorized => 401,
             ProxyError::ModelNotSupported { .. } => 400,
-            ProxyError::ConcurrencyLimit(_) => 429,
+            ProxyError::ConcurrencyLimit(..) => 429,
             ProxyError::RejectedByRule { status, .. } => *status,
             ProxyError::LatencyShed { .. } => 429,
         }
@@ -130,7 +130,7 @@ impl ProxyError {
             ProxyError::BadParam(_) => "bad_parameter",
             ProxyError::Unauthorized => "unauthorized",
             ProxyError::ModelNotSupported { .. } => "model_not_supported",
-            ProxyError::ConcurrencyLimit(_) => "concurrency_limit_exceeded",
+            ProxyError::ConcurrencyLimit(..) => "concurrency_limit_exceeded",
             ProxyError::RejectedByRule { .. } => "rejected_by_rule",
             ProxyError::LatencyShed { gate: "ttft", .. } => "ttft_limit_exceeded",
             ProxyError::LatencyShed { .. } => "tps_limit_exceeded",
@@ -174,7 +174,7 @@ impl ProxyError {
                 Some(m) => format!("model '{m}' is not served here"),
                 None => "the request names no model this route serves".into(),
             },
-            ProxyError::ConcurrencyLimit(_) => "concurrency limit exceeded".into(),
+            ProxyError::ConcurrencyLimit(..) => "concurrency limit exceeded".into(),
             ProxyError::RejectedByRule { message, .. } => message.clone(),
             ProxyError::LatencyShed { gate: "ttft", .. } => {
                 "time to first token above the route's limit".into()
@@ -190,7 +190,7 @@ impl ProxyError {
             ProxyError::Unauthorized => &[("WWW-Authenticate", "Bearer")],
             ProxyError::NoHealthyPeer => &[("Retry-After", "5")],
             ProxyError::ShuttingDown { .. } => &[("Retry-After", "1")],
-            ProxyError::ConcurrencyLimit(_) | ProxyError::LatencyShed { .. } => {
+            ProxyError::ConcurrencyLimit(..) | ProxyError::LatencyShed { .. } => {
                 &[("Retry-After", "1")]
             }
             _ => &[],
@@ -249,7 +249,7 @@ impl ProxyError {
                 err.insert("model".into(), json!(model));
                 err.insert("supported_models".into(), json!(supported));
             }
-            ProxyError::ConcurrencyLimit(f) => {
+            ProxyError::ConcurrencyLimit(f, prio) => {
                 err.insert(
                     "trigger".into(),
                     json!(format!("realtime_{}x", f.rt_factor)),
@@ -260,7 +260,7 @@ impl ProxyError {
                 err.insert("healthy_peers".into(), json!(f.healthy_peers));
                 err.insert("active_level".into(), json!(f.active_level));
                 err.insert("avg_5min".into(), json!(round1(f.avg_5min)));
-                if let Some((bucket, min_turn, share, ceiling)) = f.prio {
+                if let Some((bucket, min_turn, share, ceiling)) = *prio {
                     err.insert("turn_bucket".into(), json!(bucket));
                     err.insert("bucket_min_turn".into(), json!(min_turn));
                     err.insert("share".into(), json!(share));

@@ -653,12 +653,12 @@ async fn proxy(
                 ctl_cell(control::pool_state::ctl::REJ).fetch_add(1, Relaxed);
                 fig.avg_5min = latency::cluster_avg(pool, seg, now_s).0;
                 // The graded gate's own figures: a turn-1 refusal below `limit` says why.
-                fig.prio = prio.as_ref().map(|(_, table, b)| {
+                let graded = prio.as_ref().map(|(_, table, b)| {
                     let share = table[*b].share;
                     let ceiling = control::session_prio::ceiling(fig.limit, fig.rt_factor, share);
                     (*b, table[*b].min_turn, share, ceiling)
                 });
-                shed = Some(ProxyError::ConcurrencyLimit(fig));
+                shed = Some(ProxyError::ConcurrencyLimit(fig, graded));
             } else {
                 latency::count_trip(seg, pool, "concurrency");
             }
@@ -998,13 +998,7 @@ async fn proxy(
                 let mut stats = RelayStats {
                     capture: bodylog_capture(ctx, route, &p.body, inserted_at),
                     // The usage-frame filter reads the usage as the events pass: no tail then.
-                    tail: (!filters.reads_usage()).then(|| {
-                        let mut t = ctx.take_tail();
-                        if !event_stream {
-                            t.watch_json();
-                        }
-                        t
-                    }),
+                    tail: (!filters.reads_usage()).then(|| ctx.take_tail(!event_stream)),
                     ..RelayStats::default()
                 };
                 // Nothing is retried once a response is relayed: a long stream should not

@@ -115,11 +115,10 @@ fn count_small_read(streak: u32, n: usize, cap: usize) -> u32 {
 #[derive(Debug, Default, Clone)]
 pub struct Tail {
     buf: Vec<u8>,
-    /// Watch the bytes that leave `buf` for a `"usage"` key (a JSON body: vLLM writes its
-    /// `usage` before `prompt_logprobs` and `prompt_token_ids`, which can be megabytes).
-    json: bool,
-    /// That key and up to [`EARLY_USAGE_BYTES`] after it, from the last one seen.
-    early: Vec<u8>,
+    /// For a JSON body (`Some`; an event stream's is `None`): the last `"usage"` key that
+    /// left `buf` and up to [`EARLY_USAGE_BYTES`] after it. vLLM writes its `usage` before
+    /// `prompt_logprobs` and `prompt_token_ids`, which can be megabytes.
+    early: Option<Vec<u8>>,
 }
 
 /// Enough for a final usage frame (and `[DONE]`) or a JSON body's closing `usage`.
@@ -132,16 +131,12 @@ impl Tail {
     /// A tail kept in `buf` (cleared first; a buffer of `TAIL_BYTES` is never grown).
     pub fn with_buf(mut buf: Vec<u8>) -> Tail {
         buf.clear();
-        Tail {
-            buf,
-            json: false,
-            early: Vec::new(),
-        }
+        Tail { buf, early: None }
     }
 
     /// Also keep the last `"usage"` key that leaves the tail (a JSON body's).
     pub fn watch_json(&mut self) {
-        self.json = true;
+        self.early = Some(Vec::new());
     }
 
     /// The buffer, for reuse.
@@ -152,7 +147,7 @@ impl Tail {
     pub fn push(&mut self, d: &[u8]) {
         if d.len() >= TAIL_BYTES {
             let cut = d.len() - TAIL_BYTES;
-            if self.json {
+            if self.early.is_some() {
                 self.catch_usage(self.buf.len(), d, cut);
             }
             self.buf.clear();
@@ -161,7 +156,7 @@ impl Tail {
         }
         let over = (self.buf.len() + d.len()).saturating_sub(TAIL_BYTES);
         if over > 0 {
-            if self.json {
+            if self.early.is_some() {
                 self.catch_usage(over, d, 0);
             }
             self.buf.drain(..over);
@@ -209,11 +204,13 @@ impl Tail {
             }
             None
         };
+        let Some(early) = self.early.as_mut() else {
+            return;
+        };
         if let Some(at) = within(d, from_d, &[]) {
-            keep(&mut self.early, [&d[at..], &[]]);
+            keep(early, [&d[at..], &[]]);
         } else if let Some(at) = within(&self.buf, from_buf, d) {
-            let (buf, early) = (&self.buf, &mut self.early);
-            keep(early, [&buf[at..], d]);
+            keep(early, [&self.buf[at..], d]);
         }
     }
 
@@ -223,7 +220,7 @@ impl Tail {
 
     /// The last `"usage"` key that left the tail, with what followed it (empty if none).
     pub fn early_usage(&self) -> &[u8] {
-        &self.early
+        self.early.as_deref().unwrap_or_default()
     }
 }
 

@@ -470,9 +470,13 @@ impl WorkerCtx {
         self.inbufs.put(b)
     }
 
-    /// A body tail for a relay.
-    pub fn take_tail(&self) -> crate::pipeline::relay::Tail {
-        crate::pipeline::relay::Tail::with_buf(self.tails.take())
+    /// A body tail for a relay; `json`: it also keeps a `usage` that leaves it.
+    pub fn take_tail(&self, json: bool) -> crate::pipeline::relay::Tail {
+        let mut t = crate::pipeline::relay::Tail::with_buf(self.tails.take());
+        if json {
+            t.watch_json();
+        }
+        t
     }
 
     pub fn put_tail(&self, t: crate::pipeline::relay::Tail) {
