@@ -354,7 +354,11 @@ fn inflight_sums_across_workers() {
     s.inflight_set(ws[1], p, -100);
     assert_eq!(s.inflight_of(ws[1], p), -100);
     assert_eq!(s.inflight(p), 0, "negative sums clamp to 0");
-    assert_eq!(s.inflight_sum(p), 0 + -100 + 3 + 4, "the raw sum does not");
+    assert_eq!(
+        s.inflight_sum(p),
+        -100 + 3 + 4,
+        "the raw sum does not (rows 0..3: 0, -100, 3, 4)"
+    );
     s.inflight_set(ws[1], p, 2);
     s.release_worker(ws[3]);
     assert_eq!(s.inflight(p), 5);

@@ -1162,13 +1162,14 @@ fn parse_peer(v: &toml::Value, f: &str, d: &mut Diag) -> Option<PeerConfig> {
                     max_concurrency = u32::try_from(m).unwrap_or(DEFAULT_PEER_MAX_CONCURRENCY);
                 }
             }
-            "probe" => match value::string(x, &kf, d) {
-                Some(p) => match probe_path_problem(&p) {
-                    Some(e) => d.error(&kf, e),
-                    None => probe = Some(p),
-                },
-                None => {}
-            },
+            "probe" => {
+                if let Some(p) = value::string(x, &kf, d) {
+                    match probe_path_problem(&p) {
+                        Some(e) => d.error(&kf, e),
+                        None => probe = Some(p),
+                    }
+                }
+            }
             "gpu" => gpu = value::string(x, &kf, d),
             _ => d.error(&kf, format!("unknown peer key (expected {PEER_KEYS})")),
         }
