@@ -20,7 +20,8 @@
 //! reported at once) and queued while the listener is down; when the queue is full
 //! ([`QUEUE_FRAMES_MAX`] frames or [`QUEUE_BYTES_MAX`] bytes) new frames are dropped and
 //! counted. The writer task connects (1 s timeout), retries with exponential backoff
-//! 100 ms → 5 s while the listener is down, batches queued frames into writes of up to
+//! 100 ms → 5 s while the listener is down (or ends each connection within a second of
+//! accepting it), batches queued frames into writes of up to
 //! 256 KiB, and notices a listener that closed the connection while idle by keeping a read
 //! pending (the listener never sends). A write that fails or stalls for 10 s loses the frames
 //! in it (counted as dropped) and the connection is re-established; frames that the kernel
@@ -33,7 +34,7 @@ use std::future::poll_fn;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::task::{Poll, Waker};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
@@ -42,6 +43,8 @@ use super::frame::{encode_parts, EncodeError, Record};
 use super::{META_MAX_BYTES, QUEUE_BYTES_MAX, QUEUE_FRAMES_MAX};
 use crate::util::{race, Either};
 
+/// A connection that lasts less than this is a failure, retried after the backoff.
+pub const STABLE_AFTER: Duration = Duration::from_secs(1);
 /// First retry delay after a failed connect; doubles up to [`BACKOFF_MAX`].
 pub const BACKOFF_MIN: Duration = Duration::from_millis(100);
 pub const BACKOFF_MAX: Duration = Duration::from_secs(5);
@@ -196,18 +199,37 @@ impl Sender {
                 }
             };
             let _ = stream.set_nodelay(true);
-            backoff = BACKOFF_MIN;
-            down_logged = false;
             self.connects.set(self.connects.get() + 1);
             self.connected.set(true);
-            tracing::info!(addr = %self.addr, "bodylog listener connected");
-            self.serve(stream).await;
+            if !down_logged {
+                tracing::info!(addr = %self.addr, "bodylog listener connected");
+            }
+            let since = Instant::now();
+            let closed = self.serve(stream).await;
             self.connected.set(false);
+            if since.elapsed() >= STABLE_AFTER {
+                if closed {
+                    tracing::warn!(addr = %self.addr, "bodylog listener closed the connection");
+                }
+                backoff = BACKOFF_MIN;
+                down_logged = false;
+                continue;
+            }
+            // A connection that ends at once (a proxy in front of a listener that is down
+            // accepts and closes) is retried with backoff, as a refused connect is; it was
+            // retried at once, a core's worth of connects and log lines.
+            if !down_logged && !self.stopping.get() {
+                tracing::warn!(addr = %self.addr, "bodylog listener ends each connection at once; retrying with backoff");
+                down_logged = true;
+            }
+            race(monoio::time::sleep(backoff), self.wait_stop()).await;
+            backoff = (backoff * 2).min(BACKOFF_MAX);
         }
     }
 
-    /// Write queued frames until the connection fails or the sender stops.
-    async fn serve(&self, mut stream: TcpStream) {
+    /// Write queued frames until the connection fails or the sender stops; true when the
+    /// listener closed it.
+    async fn serve(&self, mut stream: TcpStream) -> bool {
         let mut batch: Vec<u8> = Vec::new();
         loop {
             loop {
@@ -229,25 +251,22 @@ impl Sender {
                     }
                     Ok((Err(e), _)) => {
                         self.lose(n, &e.to_string());
-                        return;
+                        return false;
                     }
                     Err(_) => {
                         self.lose(n, "write stalled");
-                        return;
+                        return false;
                     }
                 }
             }
             if self.stopping.get() {
-                return;
+                return false;
             }
             // Idle: wait for a frame, or for the listener to close (it never sends).
             let probe = Vec::with_capacity(64);
             match race(self.wait_work(), stream.read(probe)).await {
                 Either::Left(()) => {}
-                Either::Right((Ok(0), _)) | Either::Right((Err(_), _)) => {
-                    tracing::warn!(addr = %self.addr, "bodylog listener closed the connection");
-                    return;
-                }
+                Either::Right((Ok(0), _)) | Either::Right((Err(_), _)) => return true,
                 Either::Right((Ok(_), _)) => {}
             }
         }
@@ -422,5 +441,47 @@ mod tests {
         b.clear();
         assert_eq!(s.fill_batch(&mut b), 0);
         assert_eq!(s.stats().queued_bytes, 0);
+    }
+}
+
+#[cfg(test)]
+mod reconnect_tests {
+    use super::*;
+
+    /// A listener that accepts and closes at once (a proxy in front of a listener that is
+    /// down) is retried with backoff, as a refused connect is: it was reconnected at once,
+    /// tens of thousands of times a second, with two log lines each.
+    #[test]
+    fn a_listener_that_closes_each_connection_at_once_is_retried_with_backoff() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = accepted.clone();
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                drop(s);
+            }
+        });
+        let mut rt = monoio::RuntimeBuilder::<monoio::FusionDriver>::new()
+            .enable_timer()
+            .build()
+            .unwrap();
+        let connects = rt.block_on(async move {
+            let s = Sender::new(addr);
+            let task = monoio::spawn(s.clone().run());
+            monoio::time::sleep(Duration::from_millis(1600)).await;
+            s.stop();
+            task.await;
+            s.stats().connects
+        });
+        let n = accepted.load(std::sync::atomic::Ordering::SeqCst);
+        // 100 + 200 + 400 + 800 ms of backoff fit in 1.6 s: five connects at most.
+        assert!(
+            n <= 6 && connects <= 6,
+            "{n} accepted, {connects} connects in 1.6 s"
+        );
+        // The control: it does keep trying.
+        assert!(n >= 2, "{n} accepted");
     }
 }
