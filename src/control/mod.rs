@@ -79,21 +79,23 @@ impl ClockSteps {
 /// snapshot) must not postpone every probe by the size of the step.
 #[derive(Default)]
 struct Rounds {
-    next: HashMap<String, Instant>,
+    /// When each route's last round ran.
+    last: HashMap<String, Instant>,
 }
 
 impl Rounds {
-    /// Whether `route`'s round is due at `now` (its first one is); when it is, the next one
-    /// is set `every` later.
+    /// Whether `route`'s round is due at `now` (its first one is): `every` after its last
+    /// one, with the interval in force now, so a reload that shortens it applies at once
+    /// (the next round used to wait out the old interval).
     fn due(&mut self, route: &str, now: Instant, every: Duration) -> bool {
-        match self.next.get_mut(route) {
-            Some(at) if now < *at => false,
+        match self.last.get_mut(route) {
+            Some(at) if now < *at + every => false,
             Some(at) => {
-                *at = now + every;
+                *at = now;
                 true
             }
             None => {
-                self.next.insert(route.to_string(), now + every);
+                self.last.insert(route.to_string(), now);
                 true
             }
         }
@@ -127,7 +129,7 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
                 if has { "acquired" } else { "lost" }
             );
             held = has;
-            rounds.next.clear();
+            rounds.last.clear();
         }
         if !has {
             continue;
@@ -173,7 +175,7 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
                 monoio::spawn(health::probe_route(ctx.clone(), route.clone()));
             }
         }
-        rounds.next.retain(|name, _| snap.route(name).is_some());
+        rounds.last.retain(|name, _| snap.route(name).is_some());
     }
 }
 
@@ -195,6 +197,16 @@ mod tests {
         assert!(r.due("b", t0 + Duration::from_secs(6), every));
         assert!(r.due("a", t0 + Duration::from_secs(10), every));
         assert!(!r.due("b", t0 + Duration::from_secs(10), every));
+        // A reload that shortens the interval applies at once: 60 s, then 1 s.
+        let long = Duration::from_secs(60);
+        assert!(r.due("c", t0, long));
+        assert!(!r.due("c", t0 + Duration::from_secs(2), long));
+        assert!(r.due("c", t0 + Duration::from_secs(2), Duration::from_secs(1)));
+        assert!(!r.due(
+            "c",
+            t0 + Duration::from_millis(2_500),
+            Duration::from_secs(1)
+        ));
     }
 
     #[test]
