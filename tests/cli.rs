@@ -588,6 +588,47 @@ fn sighup_reloads_routes_and_keeps_the_old_config_on_errors() {
     );
 }
 
+/// A request whose body is still arriving at the drain deadline gets the router's 503
+/// `shutting_down` and its access line (`end: shutdown`); it used to be closed with no
+/// answer and no line.
+#[test]
+fn a_body_still_uploading_at_the_drain_deadline_gets_a_503_and_its_line() {
+    let d = temp_dir("drainupload");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let log = d.0.join("access.log");
+    let mut p = start_serve_with(&d.0, "", &["--access-log", log.to_str().unwrap()]);
+    let mut c = connect(p.public);
+    c.write_all(
+        b"POST /a/v1/chat/completions HTTP/1.1\r\nHost: t\r\nx-session-id: upload\r\n\
+          Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":",
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    p.signal("INT");
+    let answer = read_response(&mut BufReader::new(c), false).unwrap();
+    assert_eq!(answer.status, 503, "{}", answer.text());
+    assert_eq!(answer.json()["error"]["type"], "shutting_down");
+    // At the drain deadline (SIGINT: 5 s), not before.
+    assert!(t0.elapsed() >= Duration::from_secs(4), "{:?}", t0.elapsed());
+    let status = p.wait_exit(Duration::from_secs(10)).expect("exits");
+    assert!(status.success(), "{status:?}");
+    let line = std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|l| l["session"] == "upload" || l["path"] == "/a/v1/chat/completions");
+    let line = line.expect("an access line for the upload");
+    assert_eq!(
+        (line["status"].as_u64(), line["end"].as_str()),
+        (Some(503), Some("shutdown")),
+        "{line}"
+    );
+    // The control: the peer never saw the request.
+    assert_eq!(m.stats().requests, 0);
+}
+
 #[test]
 fn streams_cut_at_the_drain_deadline_get_their_access_lines() {
     let d = temp_dir("draincut");

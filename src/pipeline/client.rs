@@ -81,6 +81,37 @@ pub fn until<'a, F: Future + Unpin + 'a>(
     })
 }
 
+/// `until`, with the deadline cut to the drain's own deadline once a drain has begun: a
+/// wait for a request body ends there (the worker is about to stop), not later.
+fn until_drain_deadline<'a, F: Future + Unpin + 'a>(
+    timer: &'a mut Timer,
+    mut deadline: Instant,
+    drain: &'a DrainWatch<'a>,
+    mut fut: F,
+) -> impl Future<Output = Result<F::Output, TimedOut>> + 'a {
+    let mut fired = Some(drain.started.wait());
+    std::future::poll_fn(move |cx| {
+        if let Poll::Ready(v) = Pin::new(&mut fut).poll(cx) {
+            return Poll::Ready(Ok(v));
+        }
+        if let Some(f) = fired.as_mut() {
+            if Pin::new(f).poll(cx).is_ready() {
+                fired = None;
+                if let Some(end) = drain.deadline() {
+                    deadline = deadline.min(end);
+                }
+            }
+        }
+        if timer.deadline() != deadline {
+            timer.as_mut().reset(deadline);
+        }
+        if timer.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(TimedOut));
+        }
+        Poll::Pending
+    })
+}
+
 /// How long a draining worker still waits for the next request on a kept connection.
 pub const DRAIN_IDLE_GRACE: Duration = Duration::from_millis(500);
 
@@ -219,13 +250,27 @@ impl ClientConn {
 
     /// Read the request body into memory, refusing bodies over `max_bytes` (413) before
     /// reading them when the length is announced. Answers `Expect: 100-continue`.
+    ///
+    /// A body still arriving at the drain deadline ends the wait there with
+    /// [`ProxyError::ShuttingDown`] (an empty `peer`), answered and logged like any refusal.
     pub async fn read_body(
         &mut self,
         head: &RequestHead,
         max_bytes: u64,
         read_timeout: Duration,
         spares: &SpareBodies,
+        drain: &DrainWatch<'_>,
     ) -> Result<Bytes, ProxyError> {
+        // Why a wait ended without bytes: its own timeout, or the drain's deadline first.
+        let timed_out = |deadline: Instant| {
+            if Instant::now() < deadline {
+                ProxyError::ShuttingDown {
+                    peer: String::new(),
+                }
+            } else {
+                ProxyError::BodyTimeout
+            }
+        };
         match head.body {
             BodyFraming::None => {
                 self.body_read_at = None;
@@ -250,10 +295,11 @@ impl ClientConn {
                 while body.len() < n {
                     let len = body.len();
                     let read = pin!(self.rd.read(body.slice_mut(len..n)));
+                    let deadline = Instant::now() + read_timeout;
                     let (res, slice) =
-                        match until(&mut self.timer, Instant::now() + read_timeout, read).await {
+                        match until_drain_deadline(&mut self.timer, deadline, drain, read).await {
                             Ok(r) => r,
-                            Err(_) => return Err(ProxyError::BodyTimeout),
+                            Err(_) => return Err(timed_out(deadline)),
                         };
                     body = slice.into_inner();
                     match res {
@@ -295,8 +341,8 @@ impl ClientConn {
                     }
                     let deadline = Instant::now() + read_timeout;
                     let read = pin!(fill(&mut self.rd, &mut self.inbuf));
-                    match until(&mut self.timer, deadline, read).await {
-                        Err(_) => return Err(ProxyError::BodyTimeout),
+                    match until_drain_deadline(&mut self.timer, deadline, drain, read).await {
+                        Err(_) => return Err(timed_out(deadline)),
                         Ok(Ok(0)) | Ok(Err(_)) => return Err(ProxyError::ClientGone),
                         Ok(Ok(_)) => {}
                     }

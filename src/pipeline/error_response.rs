@@ -160,6 +160,9 @@ impl ProxyError {
             ProxyError::UpstreamClosed { peer } => {
                 format!("{peer} closed the connection before responding")
             }
+            ProxyError::ShuttingDown { peer } if peer.is_empty() => {
+                "the router is shutting down and the request body had not arrived by its drain deadline".into()
+            }
             ProxyError::ShuttingDown { peer } => {
                 format!("the router is shutting down and {peer} had not responded by its drain deadline")
             }

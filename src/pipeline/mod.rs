@@ -103,6 +103,14 @@ impl Drop for Inflight<'_> {
     }
 }
 
+/// The worker's drain, for a wait that must end at its deadline.
+fn drain_watch(ctx: &WorkerCtx) -> client::DrainWatch<'_> {
+    client::DrainWatch {
+        deadline_ms: &ctx.shared.drain_deadline_ms,
+        started: &ctx.drain,
+    }
+}
+
 /// Serve one client connection until it closes, idles out, or the worker drains.
 pub async fn serve_client(ctx: Rc<WorkerCtx>, stream: TcpStream, addr: SocketAddr, kind: PortKind) {
     ctx.active_conns.set(ctx.active_conns.get() + 1);
@@ -217,6 +225,7 @@ async fn handle_request(
                         ENDPOINT_BODY_BYTES_MAX,
                         BODY_READ_TIMEOUT,
                         &ctx.bodies,
+                        &drain_watch(ctx),
                     )
                     .await
                 {
@@ -350,7 +359,13 @@ async fn prepare<'a>(
             let owner = authorize(route)?;
             let limit = route.cfg.opts.max_body_size.min(ceiling);
             let body = match conn
-                .read_body(head, limit, BODY_READ_TIMEOUT, &ctx.bodies)
+                .read_body(
+                    head,
+                    limit,
+                    BODY_READ_TIMEOUT,
+                    &ctx.bodies,
+                    &drain_watch(ctx),
+                )
                 .await
             {
                 Ok(b) => b,
@@ -393,7 +408,13 @@ async fn prepare<'a>(
                 ));
             };
             let body = conn
-                .read_body(head, limit, BODY_READ_TIMEOUT, &ctx.bodies)
+                .read_body(
+                    head,
+                    limit,
+                    BODY_READ_TIMEOUT,
+                    &ctx.bodies,
+                    &drain_watch(ctx),
+                )
                 .await
                 .map_err(|e| (e, None, None))?;
             let fields = session_id::parse_body(&body);
@@ -1896,10 +1917,10 @@ async fn refuse_logged(
         capture.as_mut(),
     )
     .await;
-    let end = if matches!(e, ProxyError::ClientGone) {
-        relay::END_CLIENT_GONE
-    } else {
-        relay::END_COMPLETE
+    let end = match e {
+        ProxyError::ClientGone => relay::END_CLIENT_GONE,
+        ProxyError::ShuttingDown { .. } => relay::END_SHUTDOWN,
+        _ => relay::END_COMPLETE,
     };
     let stats = RelayStats {
         body_bytes,
