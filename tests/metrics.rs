@@ -367,10 +367,8 @@ fn requests_refused_before_a_peer_get_their_access_line_too() {
     assert_eq!(slow.join().unwrap().status, 200);
     // Refused before any route: a route that does not exist, and a head that does not
     // parse. Neither has a route; the malformed one has no method or path either.
-    assert_eq!(
-        request(addr, &post_json("/nope/v1/chat/completions", "{}", "")).status,
-        404
-    );
+    let nope = request(addr, &post_json("/nope/v1/chat/completions", "{}", ""));
+    assert_eq!(nope.status, 404);
     assert_eq!(request(addr, b"BLAH\r\n\r\n").status, 400);
     // The router's own endpoints are not logged (scraped and probed all day).
     assert_eq!(request(env.admin(), &get("/healthz")).status, 200);
@@ -411,6 +409,13 @@ fn requests_refused_before_a_peer_get_their_access_line_too() {
         .collect();
     let mut unrouted = unrouted;
     unrouted.sort();
+    // The 404's line counts the body its client got (it was logged as 0, before the answer).
+    let line_404 = lines().into_iter().find(|l| l["status"] == 404).unwrap();
+    assert_eq!(
+        line_404["response_bytes"].as_u64(),
+        Some(nope.body.len() as u64),
+        "{line_404}"
+    );
     assert_eq!(
         unrouted,
         [

@@ -237,23 +237,37 @@ async fn handle_request(
             };
             // A client's request to a route that does not exist gets its access line (the
             // router's own endpoints, scraped and probed all day, do not).
-            if let (PortKind::Public, Dispatch::UnknownRoute { .. }) = (kind, &d) {
-                let started = Instant::now();
+            let unknown = matches!(
+                (kind, &d),
+                (PortKind::Public, Dispatch::UnknownRoute { .. })
+            );
+            let started = Instant::now();
+            let loopback = crate::admin::is_local_admin(conn.addr);
+            let resp = crate::admin::answer(ctx, &snap, d, kind, &head, &body, loopback);
+            let (status, body_bytes) = (resp.status, resp.body.len() as u64);
+            let body_unread = !reads_body && head.body != crate::http::BodyFraming::None;
+            let keep = head.keep_alive && !ctx.drain.is_fired() && !body_unread;
+            let resp = error_response::for_request(&head, resp.into_bytes(keep));
+            let sent = conn.write_all_bytes(resp).await.is_ok();
+            if unknown {
+                let stats = RelayStats {
+                    body_bytes: if head.method_bytes() == b"HEAD" {
+                        0
+                    } else {
+                        body_bytes
+                    },
+                    ..RelayStats::default()
+                };
                 Refused::early(None, None, 0).write(
                     ctx,
                     &head,
-                    ProxyError::UnknownRoute { known: Vec::new() }.status(),
-                    &RelayStats::default(),
+                    status,
+                    &stats,
                     relay::END_COMPLETE,
                     started,
                 );
             }
-            let loopback = crate::admin::is_local_admin(conn.addr);
-            let resp = crate::admin::answer(ctx, &snap, d, kind, &head, &body, loopback);
-            let body_unread = !reads_body && head.body != crate::http::BodyFraming::None;
-            let keep = head.keep_alive && !ctx.drain.is_fired() && !body_unread;
-            let resp = error_response::for_request(&head, resp.into_bytes(keep));
-            conn.write_all_bytes(resp).await.is_ok() && keep
+            sent && keep
         }
     }
 }
