@@ -369,7 +369,8 @@ fn requests_refused_before_a_peer_get_their_access_line_too() {
     // parse. Neither has a route; the malformed one has no method or path either.
     let nope = request(addr, &post_json("/nope/v1/chat/completions", "{}", ""));
     assert_eq!(nope.status, 404);
-    assert_eq!(request(addr, b"BLAH\r\n\r\n").status, 400);
+    let blah = request(addr, b"BLAH\r\n\r\n");
+    assert_eq!(blah.status, 400);
     // The router's own endpoints are not logged (scraped and probed all day).
     assert_eq!(request(env.admin(), &get("/healthz")).status, 200);
     // Every request to the route counts, the refused ones (401, 413) included.
@@ -415,6 +416,12 @@ fn requests_refused_before_a_peer_get_their_access_line_too() {
         line_404["response_bytes"].as_u64(),
         Some(nope.body.len() as u64),
         "{line_404}"
+    );
+    let line_400 = lines().into_iter().find(|l| l["status"] == 400).unwrap();
+    assert_eq!(
+        line_400["response_bytes"].as_u64(),
+        Some(blah.body.len() as u64),
+        "{line_400}"
     );
     assert_eq!(
         unrouted,

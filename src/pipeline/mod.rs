@@ -161,8 +161,12 @@ pub async fn serve_client(ctx: Rc<WorkerCtx>, stream: TcpStream, addr: SocketAdd
                 return;
             }
             HeadRead::Refuse(e) => {
-                unparsed_access_log(&ctx, e.status());
                 let resp = json_response(e.status(), &e.body(None), e.headers(), true);
+                let body_bytes = resp
+                    .windows(4)
+                    .position(|w| w == b"\r\n\r\n")
+                    .map_or(0, |h| resp.len() - h - 4);
+                unparsed_access_log(&ctx, e.status(), body_bytes as u64);
                 if conn.write_all_bytes(resp).await.is_ok() {
                     conn.linger_close().await;
                 }
@@ -1961,7 +1965,7 @@ async fn refuse_logged(
 /// The access line of a request refused before its head could be used (malformed, too
 /// large, an unsupported transfer coding, or not complete in time): the same fields, with
 /// no method or path.
-fn unparsed_access_log(ctx: &WorkerCtx, status: u16) {
+fn unparsed_access_log(ctx: &WorkerCtx, status: u16, response_bytes: u64) {
     let mut log = ctx.access_log.borrow_mut();
     if !log.enabled() {
         return;
@@ -1978,7 +1982,7 @@ fn unparsed_access_log(ctx: &WorkerCtx, status: u16) {
         l.opt_str("peer", None);
         l.u64("retries", 0);
         l.u64("request_bytes", 0);
-        l.u64("response_bytes", 0);
+        l.u64("response_bytes", response_bytes);
         l.opt_thousandths("ttft_ms", None);
         l.opt_u64("prompt_tokens", None);
         l.opt_u64("cached_tokens", None);
