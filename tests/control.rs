@@ -340,28 +340,31 @@ fn a_count_set_by_hand_is_not_undone_by_the_requests_it_replaced() {
     assert_eq!(statuses(3), [200, 200, 429]);
 }
 
-/// `n` requests held `ms` at the mock, sent 100 ms apart: one at a time through the gate
-/// (two that reach two workers at the same instant can both pass the last free unit; the
-/// gate's check and count are not one atomic step).
+/// `n` requests held `ms` at the mock, sent one at a time through the gate: each is sent
+/// once the one before has been counted in flight or answered (two that reach two workers
+/// at the same instant can both pass the last free unit; the gate's check and count are
+/// not one atomic step).
 fn hold_no_wait(env: &Env, n: usize, ms: u32) -> Vec<std::thread::JoinHandle<Resp>> {
     let addr = env.public();
-    (0..n)
-        .map(|i| {
-            if i > 0 {
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            std::thread::spawn(move || {
-                request(
-                    addr,
-                    &post_json(
-                        "/r/v1/chat/completions",
-                        &chat_body("x", false),
-                        &format!("x-mock-ttft-ms: {ms}\r\n"),
-                    ),
-                )
-            })
-        })
-        .collect()
+    let mut held: Vec<std::thread::JoinHandle<Resp>> = Vec::new();
+    for _ in 0..n {
+        let before = inflight_total(env, "r");
+        let h = std::thread::spawn(move || {
+            request(
+                addr,
+                &post_json(
+                    "/r/v1/chat/completions",
+                    &chat_body("x", false),
+                    &format!("x-mock-ttft-ms: {ms}\r\n"),
+                ),
+            )
+        });
+        eventually(Duration::from_secs(5), "counted or answered", || {
+            h.is_finished() || inflight_total(env, "r") > before
+        });
+        held.push(h);
+    }
+    held
 }
 
 #[test]

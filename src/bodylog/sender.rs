@@ -174,7 +174,9 @@ impl Sender {
     /// [`Sender::stop`].
     pub async fn run(self: Rc<Self>) {
         let mut backoff = BACKOFF_MIN;
+        // Said once per outage: connects refused or timing out, and connections ended at once.
         let mut down_logged = false;
+        let mut flapping = false;
         loop {
             if self.stopping.get() {
                 self.drop_queue();
@@ -199,9 +201,10 @@ impl Sender {
                 }
             };
             let _ = stream.set_nodelay(true);
+            down_logged = false;
             self.connects.set(self.connects.get() + 1);
             self.connected.set(true);
-            if !down_logged {
+            if !flapping {
                 tracing::info!(addr = %self.addr, "bodylog listener connected");
             }
             let since = Instant::now();
@@ -212,15 +215,15 @@ impl Sender {
                     tracing::warn!(addr = %self.addr, "bodylog listener closed the connection");
                 }
                 backoff = BACKOFF_MIN;
-                down_logged = false;
+                flapping = false;
                 continue;
             }
             // A connection that ends at once (a proxy in front of a listener that is down
             // accepts and closes) is retried with backoff, as a refused connect is; it was
             // retried at once, a core's worth of connects and log lines.
-            if !down_logged && !self.stopping.get() {
-                tracing::warn!(addr = %self.addr, "bodylog listener ends each connection at once; retrying with backoff");
-                down_logged = true;
+            if !flapping && !self.stopping.get() {
+                tracing::warn!(addr = %self.addr, "bodylog listener ended the connection at once; retrying with backoff");
+                flapping = true;
             }
             race(monoio::time::sleep(backoff), self.wait_stop()).await;
             backoff = (backoff * 2).min(BACKOFF_MAX);

@@ -82,33 +82,50 @@ pub fn until<'a, F: Future + Unpin + 'a>(
 }
 
 /// `until`, with the deadline cut to the drain's own deadline once a drain has begun: a
-/// wait for a request body ends there (the worker is about to stop), not later.
+/// wait for a request body ends there (the worker is about to stop), not later. As in
+/// [`race_until_drained!`], the wait listens for a drain only once it has gone on for
+/// [`DRAIN_LISTEN_AFTER`] (most end sooner, and pay nothing for it); a drain that began
+/// before the wait cuts it at once.
 fn until_drain_deadline<'a, F: Future + Unpin + 'a>(
     timer: &'a mut Timer,
     mut deadline: Instant,
     drain: &'a DrainWatch<'a>,
     mut fut: F,
 ) -> impl Future<Output = Result<F::Output, TimedOut>> + 'a {
-    let mut fired = Some(drain.started.wait());
+    let mut listen_at = Some(Instant::now() + DRAIN_LISTEN_AFTER);
+    if drain.started.is_fired() {
+        listen_at = None;
+        if let Some(end) = drain.deadline() {
+            deadline = deadline.min(end);
+        }
+    }
+    let mut fired: Option<crate::worker::Fired> = None;
     std::future::poll_fn(move |cx| {
         if let Poll::Ready(v) = Pin::new(&mut fut).poll(cx) {
             return Poll::Ready(Ok(v));
         }
-        if let Some(f) = fired.as_mut() {
-            if Pin::new(f).poll(cx).is_ready() {
-                fired = None;
-                if let Some(end) = drain.deadline() {
-                    deadline = deadline.min(end);
+        loop {
+            if let Some(f) = fired.as_mut() {
+                if Pin::new(f).poll(cx).is_ready() {
+                    fired = None;
+                    if let Some(end) = drain.deadline() {
+                        deadline = deadline.min(end);
+                    }
                 }
             }
+            let at = listen_at.map_or(deadline, |l: Instant| l.min(deadline));
+            if timer.deadline() != at {
+                timer.as_mut().reset(at);
+            }
+            if timer.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            match listen_at.take() {
+                // Time to listen: register with the drain and go round once more.
+                Some(l) if l < deadline => fired = Some(drain.started.wait()),
+                _ => return Poll::Ready(Err(TimedOut)),
+            }
         }
-        if timer.deadline() != deadline {
-            timer.as_mut().reset(deadline);
-        }
-        if timer.as_mut().poll(cx).is_ready() {
-            return Poll::Ready(Err(TimedOut));
-        }
-        Poll::Pending
     })
 }
 

@@ -166,8 +166,11 @@ pub async fn serve_client(ctx: Rc<WorkerCtx>, stream: TcpStream, addr: SocketAdd
                     .windows(4)
                     .position(|w| w == b"\r\n\r\n")
                     .map_or(0, |h| resp.len() - h - 4);
-                unparsed_access_log(&ctx, e.status(), body_bytes as u64);
-                if conn.write_all_bytes(resp).await.is_ok() {
+                let sent = conn.write_all_bytes(resp).await.is_ok();
+                // Logged after the write: the bytes are those the client got.
+                let body_bytes = if sent { body_bytes as u64 } else { 0 };
+                unparsed_access_log(&ctx, e.status(), body_bytes);
+                if sent {
                     conn.linger_close().await;
                 }
                 return;
@@ -255,7 +258,7 @@ async fn handle_request(
             let sent = conn.write_all_bytes(resp).await.is_ok();
             if unknown {
                 let stats = RelayStats {
-                    body_bytes: if head.method_bytes() == b"HEAD" {
+                    body_bytes: if !sent || head.method_bytes() == b"HEAD" {
                         0
                     } else {
                         body_bytes

@@ -29,7 +29,7 @@ use warmroute_shm::Segment;
 pub use access_log::{AccessLog, Line};
 pub use ctx::{PortKind, SpareBodies, Spares, WorkerCtx};
 pub use listen::bind_shared;
-pub use notify::LocalNotify;
+pub use notify::{Fired, LocalNotify};
 
 use crate::snapshot::Snapshot;
 use crate::util::{race, Either};
