@@ -589,3 +589,27 @@ fn with_the_switch_off_every_latency_trip_is_counted_and_no_probe_slot_is_spent(
     let codes: Vec<u16> = (0..6).map(|_| send("r")).collect();
     assert_eq!(codes, [200, 200, 200, 200, 200, 429]);
 }
+
+/// Every toggle takes the same `on` values (the TTFT and decode-rate ones took only 1/0),
+/// and an unknown endpoint is a 404 whatever its query (`?model=` gave a 400).
+#[test]
+fn every_toggle_takes_the_same_on_values_and_unknown_endpoints_are_404() {
+    let m = mock("m0");
+    let env = start(&[("r", route_for(&[m.addr()], ""))], "");
+    let get_json = |path: &str| {
+        let r = request(env.public(), &get(path));
+        (r.status, r.json())
+    };
+    let (st, v) = get_json("/r/_ttft_toggle?on=false");
+    assert_eq!((st, v["active"].clone()), (200, json!(false)), "{v}");
+    let (st, v) = get_json("/r/_tps_toggle?on=off");
+    assert_eq!((st, v["active"].clone()), (200, json!(false)), "{v}");
+    let (st, v) = get_json("/r/_ttft_toggle?on=yes");
+    assert_eq!((st, v["active"].clone()), (200, json!(true)), "{v}");
+    assert_eq!(get_json("/r/_rate_limit_toggle?on=true").0, 200);
+    assert_eq!(get_json("/r/_session_prio_toggle?on=false").0, 200);
+    // The control: a value that is none of them is still refused.
+    assert_eq!(get_json("/r/_ttft_toggle?on=maybe").0, 400);
+    assert_eq!(get_json("/r/_nope?model=zz").0, 404);
+    assert_eq!(get_json("/r/_ttft_status?model=zz").0, 400);
+}

@@ -95,6 +95,24 @@ pub fn handle(
     q: Option<&str>,
     loopback: bool,
 ) -> Option<Response> {
+    // Another endpoint's name is not this module's to answer (not even with a 400 for
+    // its `model`): an unknown one gets its 404.
+    const NAMES: [&str; 11] = [
+        "ttft_status",
+        "tps_status",
+        "ttft_toggle",
+        "tps_toggle",
+        "ttft_limit",
+        "tps_limit",
+        "rate_limit_toggle",
+        "rate_limit_status",
+        "session_prio_toggle",
+        "session_status",
+        "cluster_avg",
+    ];
+    if !NAMES.contains(&name) {
+        return None;
+    }
     let seg = &ctx.shared.seg;
     let now_s = ps::now_s();
     let model = query_param(q, "model");
@@ -132,10 +150,13 @@ pub fn handle(
         "ttft_status" => Some(Response::json(200, &signal_status(ctx, r, Signal::Ttft))),
         "tps_status" => Some(Response::json(200, &signal_status(ctx, r, Signal::Tps))),
         "ttft_toggle" | "tps_toggle" => {
-            let on = match query_param(q, "on").as_deref() {
-                Some("1") => true,
-                Some("0") => false,
-                _ => return bad("use ?on=0 (disable) | ?on=1 (enable)"),
+            // The same values as every other toggle: 1/0, true/false, on/off, yes/no.
+            let on = match query_param(q, "on")
+                .as_deref()
+                .and_then(super::toggles::parse_on)
+            {
+                Some(on) => on,
+                None => return bad("use ?on=0 (disable) | ?on=1 (enable)"),
             };
             for p in &pools {
                 ps::set_gate_off(seg, sig.slot(p), !on);
@@ -181,10 +202,13 @@ pub fn handle(
             let v = if query_param(q, "reset").as_deref() == Some("1") {
                 0
             } else {
-                match query_param(q, "on").as_deref() {
-                    Some("1") => 1,
-                    Some("0") => 2,
-                    _ => return bad("use ?on=0 | ?on=1 | ?reset=1"),
+                match query_param(q, "on")
+                    .as_deref()
+                    .and_then(super::toggles::parse_on)
+                {
+                    Some(true) => 1,
+                    Some(false) => 2,
+                    None => return bad("use ?on=0 | ?on=1 | ?reset=1"),
                 }
             };
             for p in &pools {
@@ -198,10 +222,13 @@ pub fn handle(
             let v = if query_param(q, "reset").as_deref() == Some("1") {
                 0
             } else {
-                match query_param(q, "on").as_deref() {
-                    Some("1") => 1,
-                    Some("0") => 2,
-                    _ => return bad("use ?on=0 | ?on=1 | ?reset=1"),
+                match query_param(q, "on")
+                    .as_deref()
+                    .and_then(super::toggles::parse_on)
+                {
+                    Some(true) => 1,
+                    Some(false) => 2,
+                    None => return bad("use ?on=0 | ?on=1 | ?reset=1"),
                 }
             };
             seg.route_cell(slot, prio_state::cell::TOGGLE)

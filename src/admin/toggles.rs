@@ -12,7 +12,8 @@ use crate::pipeline::error_response::ProxyError;
 use crate::snapshot::RouteRt;
 use crate::worker::WorkerCtx;
 
-fn parse_on(v: &str) -> Option<bool> {
+/// A toggle's `on` value: 1/0, true/false, on/off, yes/no, in any case.
+pub(super) fn parse_on(v: &str) -> Option<bool> {
     match v.to_ascii_lowercase().as_str() {
         "1" | "true" | "on" | "yes" => Some(true),
         "0" | "false" | "off" | "no" => Some(false),
