@@ -280,6 +280,10 @@ fn status(config: Option<PathBuf>, shm: Option<PathBuf>) -> ExitCode {
                 for e in errs {
                     eprintln!("error: {e}");
                 }
+                eprintln!(
+                    "warmroute status: the configuration above does not load; \
+                     `warmroute status --shm PATH` shows the segment without it"
+                );
                 return ExitCode::FAILURE;
             }
         },

@@ -155,6 +155,19 @@ fn open_segment(path: &std::path::Path, workers: usize, cpus: usize) -> io::Resu
     Ok(seg)
 }
 
+/// Remove the segment file a failed start created, unless another live process has rows
+/// in it (a router that started alongside and opened it too).
+fn discard_segment(seg: &Segment, path: &std::path::Path) {
+    let me = std::process::id();
+    let others = seg
+        .workers()
+        .into_iter()
+        .any(|(_, pid, _, _)| pid != me && warmroute_shm::pid_alive(pid));
+    if !others {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
 fn reclaim_dead_rows(seg: &Segment) {
     let reclaimed = seg.reclaim_dead();
     if reclaimed > 0 {
@@ -328,15 +341,24 @@ impl Router {
                 "more workers than CPUs: workers share cores (one per core is the design)"
             );
         }
+        // A segment file this start creates goes again if the start fails after (a port
+        // already served, say): a refused start leaves nothing behind in /dev/shm.
+        let created = !server.shm_path.exists();
         let seg = Arc::new(open_segment(&server.shm_path, workers, cpus).map_err(|e| {
             StartError::Io(io::Error::new(
                 e.kind(),
                 format!("shared segment {}: {e}", server.shm_path.display()),
             ))
         })?);
+        let discard = |e: io::Error| {
+            if created {
+                discard_segment(&seg, &server.shm_path);
+            }
+            StartError::Io(e)
+        };
         if overrides.takeover {
             refuse_takeover_of_a_stranger(&seg, &server.shm_path, server.listen)
-                .map_err(StartError::Io)?;
+                .map_err(discard)?;
         }
         let keys = Arc::new(load_keys(&config, None));
         let snapshot = Arc::new(
@@ -354,7 +376,7 @@ impl Router {
                 .clone()
                 .unwrap_or(AccessLogTarget::Stderr),
         };
-        let workers = Workers::start(opts, snapshot, seg.clone()).map_err(StartError::Io)?;
+        let workers = Workers::start(opts, snapshot, seg.clone()).map_err(discard)?;
         if overrides.takeover {
             retire_previous(&workers, &seg);
         }

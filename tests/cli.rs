@@ -376,6 +376,11 @@ fn a_second_router_on_the_same_port_is_refused_unless_takeover() {
         err.contains("already served") && err.contains("--takeover"),
         "{err}"
     );
+    // The refused start leaves no segment file behind.
+    assert!(
+        !d.0.join("other-seg").exists(),
+        "a refused start left its segment"
+    );
     // --takeover with another segment is refused too: it would share the ports with a
     // router it cannot see or retire, for good.
     let log = d.0.join("takeover-other-seg.log");
@@ -408,6 +413,12 @@ fn a_second_router_on_the_same_port_is_refused_unless_takeover() {
         err.contains("does not use the shared segment") && err.contains("same shm_path"),
         "{err}"
     );
+    assert!(
+        !d.0.join("other-seg").exists(),
+        "a refused takeover left its segment"
+    );
+    // The control: the running router's own segment is still there.
+    assert!(first.shm.exists());
     // The first one is untouched.
     assert_eq!(
         request(
@@ -527,6 +538,20 @@ fn status_reads_the_segment_of_a_running_router() {
     let r = row(&text, m.addr());
     assert_eq!(r[2], "1", "{text}");
     assert_ne!(r[1], "(removed)", "{text}");
+    // A broken file on disk: the errors, and the way to the segment without them.
+    std::fs::write(d.0.join("routes/bad.toml"), "peers = 5\n").unwrap();
+    let out = Command::new(BIN)
+        .args(["status", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("bad.toml") && err.contains("status --shm PATH"),
+        "{err}"
+    );
+    std::fs::remove_file(d.0.join("routes/bad.toml")).unwrap();
     drop(s);
     // A peer a reload removed keeps its row in the segment, marked as such.
     let m2 = mock("m1");
