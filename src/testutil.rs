@@ -1,4 +1,5 @@
-//! Helpers shared by the unit tests: a seeded PRNG, so randomized tests replay exactly.
+//! Helpers shared by the unit tests: a seeded PRNG, so randomized tests replay exactly,
+//! and a small shared segment in a temporary file.
 
 /// xorshift64* with a fixed seed: deterministic across runs and machines.
 pub struct XorShift(u64);
@@ -58,4 +59,35 @@ pub fn mutate(rng: &mut XorShift, seed: &[u8], specials: &[&[u8]]) -> Vec<u8> {
         }
     }
     b
+}
+
+/// A small segment (1 worker row, 1 peer slot, 16 route slots) in a file of its own under
+/// the temp directory, removed on drop.
+pub struct TempSegment {
+    pub seg: warmroute_shm::Segment,
+    path: std::path::PathBuf,
+}
+
+impl TempSegment {
+    /// `tag` tells apart the tests of one process.
+    pub fn new(tag: &str) -> TempSegment {
+        let path =
+            std::env::temp_dir().join(format!("warmroute-unit-{tag}-{}", std::process::id()));
+        let seg = warmroute_shm::Segment::open_or_create(
+            &path,
+            warmroute_shm::Capacities {
+                workers: 1,
+                peers: 1,
+                routes: 16,
+            },
+        )
+        .unwrap();
+        TempSegment { seg, path }
+    }
+}
+
+impl Drop for TempSegment {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
 }

@@ -740,19 +740,29 @@ fn streams_cut_at_the_drain_deadline_get_their_access_lines() {
     assert_eq!(prefill_line["status"], 503, "{prefill_line}");
 }
 
-#[test]
-fn sigterm_drains_in_flight_streams_then_exits() {
-    let d = temp_dir("drain");
+/// A router on route `a` (one mock peer) with one stream of `tokens` events, 100 ms
+/// apart, under way: the directory, the mock, the router and the client's connection.
+fn serve_streaming(
+    tag: &str,
+    tokens: u32,
+) -> (Dir, warmroute_mock::MockServer, Proc, std::net::TcpStream) {
+    let d = temp_dir(tag);
     let m = mock("m0");
     std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
-    let mut p = start_serve(&d.0);
+    let p = start_serve(&d.0);
     let mut s = connect(p.public);
     s.write_all(&post_json(
         "/a/v1/chat/completions",
         &chat_body("x", true),
-        "x-mock-tokens: 8\r\nx-mock-interval-ms: 100\r\n",
+        &format!("x-mock-tokens: {tokens}\r\nx-mock-interval-ms: 100\r\n"),
     ))
     .unwrap();
+    (d, m, p, s)
+}
+
+#[test]
+fn sigterm_drains_in_flight_streams_then_exits() {
+    let (_d, _m, mut p, s) = serve_streaming("drain", 8);
     let mut r = BufReader::new(s);
     let mut line = String::new();
     r.read_line(&mut line).unwrap();
@@ -779,18 +789,8 @@ fn sigterm_drains_in_flight_streams_then_exits() {
 /// the connection stayed open up to its idle timeout).
 #[test]
 fn empty_lines_do_not_keep_a_connection_open_through_a_drain() {
-    let d = temp_dir("drain-crlf");
-    let m = mock("m0");
-    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
-    let mut p = start_serve(&d.0);
     // A stream that keeps the drain going for about 4 s.
-    let mut s = connect(p.public);
-    s.write_all(&post_json(
-        "/a/v1/chat/completions",
-        &chat_body("x", true),
-        "x-mock-tokens: 40\r\nx-mock-interval-ms: 100\r\n",
-    ))
-    .unwrap();
+    let (_d, _m, mut p, s) = serve_streaming("drain-crlf", 40);
     // An idle kept connection, after one answer.
     let c = connect(p.public);
     let mut rd = BufReader::new(c.try_clone().unwrap());

@@ -271,23 +271,25 @@ fn session_priority_refuses_turn_one_first_near_the_limit() {
     );
 }
 
+/// One non-streaming request on route `r` that the mock answers after `ms`, on its own
+/// thread.
+fn held_request(env: &Env, ms: u32) -> std::thread::JoinHandle<Resp> {
+    let addr = env.public();
+    std::thread::spawn(move || {
+        request(
+            addr,
+            &post_json(
+                "/r/v1/chat/completions",
+                &chat_body("x", false),
+                &format!("x-mock-ttft-ms: {ms}\r\n"),
+            ),
+        )
+    })
+}
+
 /// Hold `n` slow non-streaming requests on route `r` in flight (each takes `ms` to answer).
 fn hold(env: &Env, n: usize, ms: u32) -> Vec<std::thread::JoinHandle<Resp>> {
-    let addr = env.public();
-    let held: Vec<_> = (0..n)
-        .map(|_| {
-            std::thread::spawn(move || {
-                request(
-                    addr,
-                    &post_json(
-                        "/r/v1/chat/completions",
-                        &chat_body("x", false),
-                        &format!("x-mock-ttft-ms: {ms}\r\n"),
-                    ),
-                )
-            })
-        })
-        .collect();
+    let held: Vec<_> = (0..n).map(|_| held_request(env, ms)).collect();
     eventually(Duration::from_secs(5), "requests in flight", || {
         inflight_total(env, "r") == n as i64
     });
@@ -345,20 +347,10 @@ fn a_count_set_by_hand_is_not_undone_by_the_requests_it_replaced() {
 /// at the same instant can both pass the last free unit; the gate's check and count are
 /// not one atomic step).
 fn hold_no_wait(env: &Env, n: usize, ms: u32) -> Vec<std::thread::JoinHandle<Resp>> {
-    let addr = env.public();
     let mut held: Vec<std::thread::JoinHandle<Resp>> = Vec::new();
     for _ in 0..n {
         let before = inflight_total(env, "r");
-        let h = std::thread::spawn(move || {
-            request(
-                addr,
-                &post_json(
-                    "/r/v1/chat/completions",
-                    &chat_body("x", false),
-                    &format!("x-mock-ttft-ms: {ms}\r\n"),
-                ),
-            )
-        });
+        let h = held_request(env, ms);
         eventually(Duration::from_secs(5), "counted or answered", || {
             h.is_finished() || inflight_total(env, "r") > before
         });

@@ -87,6 +87,21 @@ fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
     })
 }
 
+/// A three-way switch's new cell value from its query: `reset=1` → 0 (back to the
+/// configuration), `on=1` → 1, `on=0` → 2; None when the query says neither.
+fn switch_value(q: Option<&str>) -> Option<u64> {
+    if query_param(q, "reset").as_deref() == Some("1") {
+        return Some(0);
+    }
+    match query_param(q, "on")
+        .as_deref()
+        .and_then(super::toggles::parse_on)?
+    {
+        true => Some(1),
+        false => Some(2),
+    }
+}
+
 /// Handle a measurement/control endpoint; None when `name` is not one of them.
 pub fn handle(
     ctx: &WorkerCtx,
@@ -199,17 +214,8 @@ pub fn handle(
             ))
         }
         "rate_limit_toggle" => {
-            let v = if query_param(q, "reset").as_deref() == Some("1") {
-                0
-            } else {
-                match query_param(q, "on")
-                    .as_deref()
-                    .and_then(super::toggles::parse_on)
-                {
-                    Some(true) => 1,
-                    Some(false) => 2,
-                    None => return bad("use ?on=0 | ?on=1 | ?reset=1"),
-                }
+            let Some(v) = switch_value(q) else {
+                return bad("use ?on=0 | ?on=1 | ?reset=1");
             };
             for p in &pools {
                 ps::ctl_cell(seg, p.slots.ctl, ctl::RATE_LIMIT).store(v, Relaxed);
@@ -219,17 +225,8 @@ pub fn handle(
         "rate_limit_status" => Some(Response::json(200, &rate_limit_status(ctx, r))),
         "session_prio_toggle" => {
             let slot = r.prio_slot;
-            let v = if query_param(q, "reset").as_deref() == Some("1") {
-                0
-            } else {
-                match query_param(q, "on")
-                    .as_deref()
-                    .and_then(super::toggles::parse_on)
-                {
-                    Some(true) => 1,
-                    Some(false) => 2,
-                    None => return bad("use ?on=0 | ?on=1 | ?reset=1"),
-                }
+            let Some(v) = switch_value(q) else {
+                return bad("use ?on=0 | ?on=1 | ?reset=1");
             };
             seg.route_cell(slot, prio_state::cell::TOGGLE)
                 .store(v, Relaxed);

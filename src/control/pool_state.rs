@@ -213,41 +213,25 @@ pub fn now_s() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use warmroute_shm::Capacities;
 
     #[test]
     fn an_override_with_a_ttl_too_large_to_add_never_expires() {
-        struct Tmp(std::path::PathBuf);
-        impl Drop for Tmp {
-            fn drop(&mut self) {
-                let _ = std::fs::remove_file(&self.0);
-            }
-        }
-        let path = std::env::temp_dir().join(format!("warmroute-pool-unit-{}", std::process::id()));
-        let _tmp = Tmp(path.clone());
-        let seg = Segment::open_or_create(
-            &path,
-            Capacities {
-                workers: 1,
-                peers: 1,
-                routes: 16,
-            },
-        )
-        .unwrap();
-        let slots = PoolSlots::new(&seg, "r", None).unwrap();
+        let tmp = crate::testutil::TempSegment::new("pool");
+        let seg = &tmp.seg;
+        let slots = PoolSlots::new(seg, "r", None).unwrap();
         let now = 1_800_000_000;
         // Control: an ordinary ttl holds until it runs out.
-        set_threshold_override(&seg, slots.ttft, Some((500.0, 60)), now);
-        assert_eq!(threshold_override(&seg, slots.ttft, now + 59), Some(500.0));
-        assert_eq!(threshold_override(&seg, slots.ttft, now + 60), None);
+        set_threshold_override(seg, slots.ttft, Some((500.0, 60)), now);
+        assert_eq!(threshold_override(seg, slots.ttft, now + 59), Some(500.0));
+        assert_eq!(threshold_override(seg, slots.ttft, now + 60), None);
         // The largest ttl a query can give used to wrap to a time already past.
-        set_threshold_override(&seg, slots.ttft, Some((700.0, u64::MAX)), now);
-        assert_eq!(threshold_override(&seg, slots.ttft, now), Some(700.0));
+        set_threshold_override(seg, slots.ttft, Some((700.0, u64::MAX)), now);
+        assert_eq!(threshold_override(seg, slots.ttft, now), Some(700.0));
         assert_eq!(
-            threshold_override(&seg, slots.ttft, now + 10_000_000),
+            threshold_override(seg, slots.ttft, now + 10_000_000),
             Some(700.0)
         );
-        set_threshold_override(&seg, slots.ttft, None, now);
-        assert_eq!(threshold_override(&seg, slots.ttft, now), None);
+        set_threshold_override(seg, slots.ttft, None, now);
+        assert_eq!(threshold_override(seg, slots.ttft, now), None);
     }
 }

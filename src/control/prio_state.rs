@@ -129,38 +129,22 @@ pub fn graded_params(opts: &RouteOpts) -> sp::GradedParams {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use warmroute_shm::Capacities;
 
     #[test]
     fn routes_with_long_names_get_rows_of_their_own() {
-        struct Tmp(std::path::PathBuf);
-        impl Drop for Tmp {
-            fn drop(&mut self) {
-                let _ = std::fs::remove_file(&self.0);
-            }
-        }
-        let path = std::env::temp_dir().join(format!("warmroute-prio-unit-{}", std::process::id()));
-        let _tmp = Tmp(path.clone());
-        let seg = Segment::open_or_create(
-            &path,
-            Capacities {
-                workers: 1,
-                peers: 1,
-                routes: 16,
-            },
-        )
-        .unwrap();
+        let tmp = crate::testutil::TempSegment::new("prio");
+        let seg = &tmp.seg;
         // Two names that fill the key limit and differ only at their end.
         let (a, b) = (
             format!("{}a", "r".repeat(200)),
             format!("{}b", "r".repeat(200)),
         );
-        let (sa, sb) = (slot(&seg, &a).unwrap(), slot(&seg, &b).unwrap());
+        let (sa, sb) = (slot(seg, &a).unwrap(), slot(seg, &b).unwrap());
         assert_ne!(sa, sb, "two long route names share one turn-priority row");
         // Each name keeps its row, and a short name's key is the name itself.
-        assert_eq!(slot(&seg, &a), Some(sa));
+        assert_eq!(slot(seg, &a), Some(sa));
         assert_eq!(seg.find_route_slot("chat#prio"), None);
-        let chat = slot(&seg, "chat").unwrap();
+        let chat = slot(seg, "chat").unwrap();
         assert_eq!(seg.find_route_slot("chat#prio"), Some(chat));
         assert!([sa, sb].iter().all(|&s| s != chat));
         // The state itself stays apart: a toggle set on one is not the other's.
