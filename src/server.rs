@@ -158,14 +158,23 @@ fn open_segment(path: &std::path::Path, workers: usize, cpus: usize) -> io::Resu
 /// Remove the segment file a failed start created, unless another live process has rows
 /// in it (a router that started alongside and opened it too).
 fn discard_segment(seg: &Segment, path: &std::path::Path) {
-    let me = std::process::id();
-    let others = seg
-        .workers()
-        .into_iter()
-        .any(|(_, pid, _, _)| pid != me && warmroute_shm::pid_alive(pid));
-    if !others {
+    if other_live_pids(seg).is_empty() {
         let _ = std::fs::remove_file(path);
     }
+}
+
+/// The live processes other than this one that own worker rows in `seg`, sorted, each once.
+fn other_live_pids(seg: &Segment) -> Vec<u32> {
+    let me = std::process::id();
+    let mut pids: Vec<u32> = seg
+        .workers()
+        .into_iter()
+        .map(|(_, pid, _, _)| pid)
+        .filter(|&p| p != me && warmroute_shm::pid_alive(p))
+        .collect();
+    pids.sort_unstable();
+    pids.dedup();
+    pids
 }
 
 fn reclaim_dead_rows(seg: &Segment) {
@@ -184,12 +193,7 @@ fn refuse_takeover_of_a_stranger(
     shm_path: &std::path::Path,
     public: std::net::SocketAddr,
 ) -> io::Result<()> {
-    let me = std::process::id();
-    let others = seg
-        .workers()
-        .into_iter()
-        .any(|(_, pid, _, _)| pid != me && warmroute_shm::pid_alive(pid));
-    if others || !crate::worker::port_served(public) {
+    if !other_live_pids(seg).is_empty() || !crate::worker::port_served(public) {
         return Ok(());
     }
     Err(io::Error::new(
@@ -211,15 +215,7 @@ fn retire_previous(workers: &Workers, seg: &Segment) {
     while !workers.shared.ready() && t0.elapsed() < Duration::from_secs(10) {
         std::thread::sleep(Duration::from_millis(10));
     }
-    let me = std::process::id();
-    let mut pids: Vec<u32> = seg
-        .workers()
-        .into_iter()
-        .map(|(_, pid, _, _)| pid)
-        .filter(|&p| p != me && warmroute_shm::pid_alive(p))
-        .collect();
-    pids.sort_unstable();
-    pids.dedup();
+    let pids = other_live_pids(seg);
     if pids.is_empty() {
         tracing::info!("takeover: no previous router found in the shared segment");
     }

@@ -308,7 +308,7 @@ fn a_count_set_by_hand_is_not_undone_by_the_requests_it_replaced() {
     );
     let env = start(&[("r", route)], "");
     let statuses = |n: usize| -> Vec<u16> {
-        let held = hold_no_wait(&env, n, 1200);
+        let held = hold_one_at_a_time(&env, n, 1200);
         let mut s: Vec<u16> = held.into_iter().map(|h| h.join().unwrap().status).collect();
         s.sort();
         s
@@ -346,7 +346,7 @@ fn a_count_set_by_hand_is_not_undone_by_the_requests_it_replaced() {
 /// once the one before has been counted in flight or answered (two that reach two workers
 /// at the same instant can both pass the last free unit; the gate's check and count are
 /// not one atomic step).
-fn hold_no_wait(env: &Env, n: usize, ms: u32) -> Vec<std::thread::JoinHandle<Resp>> {
+fn hold_one_at_a_time(env: &Env, n: usize, ms: u32) -> Vec<std::thread::JoinHandle<Resp>> {
     let mut held: Vec<std::thread::JoinHandle<Resp>> = Vec::new();
     for _ in 0..n {
         let before = inflight_total(env, "r");

@@ -322,12 +322,19 @@ pub fn json_response_with_lines(
     out
 }
 
+/// The length of a response's head, its blank line included (`None` without one).
+pub fn head_len(resp: &[u8]) -> Option<usize> {
+    resp.windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| i + 4)
+}
+
 /// The answer to `head`'s request as it goes on the wire: a response to HEAD keeps its
 /// status line and headers, `Content-Length` included, and drops its body (RFC 9110
 /// §9.3.2). A client reading a body after a HEAD answer would take it for the next
 /// response on the connection. An HTTP/1.0 connection kept open is told so.
 pub fn for_request(head: &crate::http::RequestHead, mut resp: Vec<u8>) -> Vec<u8> {
-    let Some(end) = resp.windows(4).position(|w| w == b"\r\n\r\n") else {
+    let Some(end) = head_len(&resp).map(|n| n - 4) else {
         return resp;
     };
     if head.method_bytes() == b"HEAD" {

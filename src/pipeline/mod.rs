@@ -103,12 +103,20 @@ impl Drop for Inflight<'_> {
     }
 }
 
-/// The worker's drain, for a wait that must end at its deadline.
-fn drain_watch(ctx: &WorkerCtx) -> client::DrainWatch<'_> {
-    client::DrainWatch {
+/// Read a request's body of at most `limit` bytes, with the worker's spare buffers, the
+/// body timeout and its drain's deadline.
+async fn read_body(
+    ctx: &WorkerCtx,
+    conn: &mut ClientConn,
+    head: &RequestHead,
+    limit: u64,
+) -> Result<Bytes, ProxyError> {
+    let drain = client::DrainWatch {
         deadline_ms: &ctx.shared.drain_deadline_ms,
         started: &ctx.drain,
-    }
+    };
+    conn.read_body(head, limit, BODY_READ_TIMEOUT, &ctx.bodies, &drain)
+        .await
 }
 
 /// Serve one client connection until it closes, idles out, or the worker drains.
@@ -162,10 +170,7 @@ pub async fn serve_client(ctx: Rc<WorkerCtx>, stream: TcpStream, addr: SocketAdd
             }
             HeadRead::Refuse(e) => {
                 let resp = json_response(e.status(), &e.body(None), e.headers(), true);
-                let body_bytes = resp
-                    .windows(4)
-                    .position(|w| w == b"\r\n\r\n")
-                    .map_or(0, |h| resp.len() - h - 4);
+                let body_bytes = error_response::head_len(&resp).map_or(0, |h| resp.len() - h);
                 let sent = conn.write_all_bytes(resp).await.is_ok();
                 // Logged after the write: the bytes are those the client got.
                 let body_bytes = if sent { body_bytes as u64 } else { 0 };
@@ -226,16 +231,7 @@ async fn handle_request(
             // unread and the connection closes.
             let reads_body = matches!(d, Dispatch::Debug { .. });
             let body = if reads_body {
-                match conn
-                    .read_body(
-                        &head,
-                        ENDPOINT_BODY_BYTES_MAX,
-                        BODY_READ_TIMEOUT,
-                        &ctx.bodies,
-                        &drain_watch(ctx),
-                    )
-                    .await
-                {
+                match read_body(ctx, conn, &head, ENDPOINT_BODY_BYTES_MAX).await {
                     Ok(b) => b,
                     Err(e) => return refuse(conn, &head, &e, None, false).await,
                 }
@@ -323,10 +319,7 @@ async fn refuse_counted_with(
         lines,
         !keep,
     );
-    let head_len = resp
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map_or(resp.len(), |i| i + 4);
+    let head_len = error_response::head_len(&resp).unwrap_or(resp.len());
     // What `for_request` leaves of the body (none for HEAD).
     let resp = error_response::for_request(head, resp);
     let body = (resp.len() - head_len) as u64;
@@ -379,16 +372,7 @@ async fn prepare<'a>(
             // The key is checked before the body is read.
             let owner = authorize(route)?;
             let limit = route.cfg.opts.max_body_size.min(ceiling);
-            let body = match conn
-                .read_body(
-                    head,
-                    limit,
-                    BODY_READ_TIMEOUT,
-                    &ctx.bodies,
-                    &drain_watch(ctx),
-                )
-                .await
-            {
+            let body = match read_body(ctx, conn, head, limit).await {
                 Ok(b) => b,
                 Err(e) => return Err((e, Some(route), owner)),
             };
@@ -428,14 +412,7 @@ async fn prepare<'a>(
                     None,
                 ));
             };
-            let body = conn
-                .read_body(
-                    head,
-                    limit,
-                    BODY_READ_TIMEOUT,
-                    &ctx.bodies,
-                    &drain_watch(ctx),
-                )
+            let body = read_body(ctx, conn, head, limit)
                 .await
                 .map_err(|e| (e, None, None))?;
             let fields = session_id::parse_body(&body);
