@@ -103,6 +103,8 @@ fn framing_conflicts_are_400_and_oversize_heads_431() {
         (b"POST /r/v1/x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nno colon\r\n\r\n".to_vec(), 400),
         (b"POST /r/v1/x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip\r\n\r\n".to_vec(), 501),
         (b"BLAH\r\n\r\n".to_vec(), 400),
+        (b"GET /r/v1/models HTTP/2.0\r\nHost: t\r\n\r\n".to_vec(), 505),
+        (b"GET /r/v1/models HTTP/1.2\r\nHost: t\r\n\r\n".to_vec(), 505),
         (b"GET /r/v1/models HTTP/1.1\r\nHost: a b\r\n\r\n".to_vec(), 400),
         (b"GET /r/v1/models HTTP/1.1\r\nHost: evil/x\r\n\r\n".to_vec(), 400),
         (format!("GET /r/v1/x HTTP/1.1\r\nHost: t\r\nX-Big: {}\r\n\r\n", "a".repeat(70 * 1024)).into_bytes(), 431),
@@ -116,7 +118,13 @@ fn framing_conflicts_are_400_and_oversize_heads_431() {
             "{}",
             String::from_utf8_lossy(&raw[..raw.len().min(80)])
         );
-        assert!(resp.json()["error"]["type"].is_string());
+        let kind = match status {
+            501 => "not_implemented",
+            505 => "http_version_not_supported",
+            431 => "request_header_too_large",
+            _ => "bad_request",
+        };
+        assert_eq!(resp.json()["error"]["type"], kind);
         assert_eq!(resp.header("connection"), Some("close"));
     }
     assert_eq!(

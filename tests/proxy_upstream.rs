@@ -114,6 +114,42 @@ fn upstream_closing_mid_stream_truncates_and_closes_the_client() {
     });
 }
 
+/// A peer's answer the router cannot carry is a 502 that says which limit it broke: more
+/// headers than the router keeps, or a head longer than it reads. A control answer just
+/// inside both limits goes through.
+#[test]
+fn a_response_head_over_a_limit_is_a_502_that_names_the_limit() {
+    let with_headers = |n: usize, value_len: usize| {
+        let mut r = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n".to_vec();
+        for i in 0..n {
+            r.extend(format!("X-H{i}: {}\r\n", "v".repeat(value_len)).bytes());
+        }
+        r.extend(b"\r\nok");
+        r
+    };
+    for (resp, status, message) in [
+        (with_headers(100, 1), 200, None),
+        (with_headers(200, 1), 502, Some("too many response headers")),
+        (
+            with_headers(20, 8 * 1024),
+            502,
+            Some("response head too large"),
+        ),
+    ] {
+        let b = raw_backend(vec![resp], 1);
+        let env = start(&[("r", route_for(&[b.addr], "max_more_tries = 0\n"))], "");
+        let r = request(env.public(), &get("/r/x"));
+        assert_eq!(r.status, status, "{message:?}");
+        if let Some(m) = message {
+            assert_eq!(r.json()["error"]["type"], "bad_upstream_response");
+            let got = r.json()["error"]["message"].as_str().unwrap().to_string();
+            assert!(got.ends_with(m), "{got}");
+        } else {
+            assert_eq!(r.text(), "ok");
+        }
+    }
+}
+
 #[test]
 fn stale_pooled_connection_is_retried_fresh_without_counting_a_retry() {
     // The backend answers one request per connection and then closes without saying so.

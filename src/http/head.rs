@@ -28,6 +28,8 @@ pub enum HeadError {
     BadFraming(&'static str),
     /// A transfer coding other than chunked (501).
     UnsupportedCoding,
+    /// A request line naming a version other than HTTP/1.0 or HTTP/1.1 (505).
+    UnsupportedVersion,
 }
 
 impl HeadError {
@@ -36,6 +38,7 @@ impl HeadError {
             HeadError::TooLarge | HeadError::TooManyHeaders => 431,
             HeadError::Malformed(_) | HeadError::BadFraming(_) => 400,
             HeadError::UnsupportedCoding => 501,
+            HeadError::UnsupportedVersion => 505,
         }
     }
 
@@ -45,6 +48,7 @@ impl HeadError {
             HeadError::TooManyHeaders => "more than 100 request headers",
             HeadError::Malformed(m) | HeadError::BadFraming(m) => m,
             HeadError::UnsupportedCoding => "only the chunked transfer coding is supported",
+            HeadError::UnsupportedVersion => "only HTTP/1.0 and HTTP/1.1 are served",
         }
     }
 }
@@ -637,9 +641,7 @@ pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
     let status = match req.parse_with_uninit_headers(buf, &mut storage) {
         Ok(s) => s,
         Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooManyHeaders),
-        Err(httparse::Error::Version) => {
-            return Err(HeadError::Malformed("unsupported HTTP version"))
-        }
+        Err(httparse::Error::Version) => return Err(HeadError::UnsupportedVersion),
         Err(_) => return Err(HeadError::Malformed("malformed request head")),
     };
     let len = match status {

@@ -113,6 +113,10 @@ impl ProxyError {
             ProxyError::BadRequestHead(HeadError::TooLarge | HeadError::TooManyHeaders) => {
                 "request_header_too_large"
             }
+            ProxyError::BadRequestHead(HeadError::UnsupportedCoding) => "not_implemented",
+            ProxyError::BadRequestHead(HeadError::UnsupportedVersion) => {
+                "http_version_not_supported"
+            }
             ProxyError::BadRequestHead(_) | ProxyError::BadChunkedBody => "bad_request",
             ProxyError::HeadTimeout | ProxyError::BodyTimeout => "request_timeout",
             ProxyError::BodyTooLarge { .. } => "request_too_large",

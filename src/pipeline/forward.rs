@@ -386,8 +386,8 @@ async fn send_and_read_head(
                     return Ok((h, buf, start + used, interim, [first, read_at], req));
                 }
                 Err(e) => bail!(SendError::Fatal(ExchangeError::Bad(match e {
-                    http::HeadError::TooLarge | http::HeadError::TooManyHeaders =>
-                        "response head too large",
+                    http::HeadError::TooLarge => "response head too large",
+                    http::HeadError::TooManyHeaders => "too many response headers",
                     _ => "malformed response head",
                 }))),
             }
