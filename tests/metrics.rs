@@ -824,3 +824,34 @@ fn responses_are_counted_by_status_class() {
     assert_eq!(val(&series, &class("4xx")), 1.0);
     assert_eq!(val(&series, &class("3xx")), 0.0);
 }
+
+/// A head refused before it parsed is logged with how long it had been arriving: a 408
+/// for a head still incomplete at `client_head_timeout_ms` shows that wait (it showed 0),
+/// and a malformed head refused in its first read shows about none.
+#[test]
+fn a_head_timeout_is_logged_with_the_time_the_head_took() {
+    let m = mock("m0");
+    let log = shm_path("head-timeout-log");
+    let env = start_logging(
+        &[("r", route_for(&[m.addr()], ""))],
+        "client_head_timeout_ms = 400\n",
+        warmroute::worker::AccessLogTarget::File(log.clone()),
+    );
+    let mut c = connect(env.public());
+    c.write_all(b"GET /r/v1/models HTTP/1.1\r\nHost: t\r\n")
+        .unwrap();
+    let resp = read_response(&mut BufReader::new(c), false).unwrap();
+    assert_eq!(resp.status, 408);
+    // The control: refused at once.
+    assert_eq!(request(env.public(), b"BLAH\r\n\r\n").status, 400);
+    eventually(Duration::from_secs(3), "two access lines", || {
+        access_lines(&log).len() == 2
+    });
+    let total = |status: u64| {
+        let lines = access_lines(&log);
+        let l = lines.iter().find(|l| l["status"] == status).unwrap();
+        l["total_ms"].as_f64().unwrap()
+    };
+    assert!((390.0..2000.0).contains(&total(408)), "{}", total(408));
+    assert!(total(400) < 100.0, "{}", total(400));
+}

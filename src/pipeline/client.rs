@@ -179,8 +179,9 @@ pub enum HeadRead {
     Head(RequestHead),
     /// Clean end: EOF between requests, idle timeout, or drain.
     Closed,
-    /// A refusal to send before closing (malformed head, too large, timeout mid-head).
-    Refuse(ProxyError),
+    /// A refusal to send before closing (malformed head, too large, timeout mid-head), and
+    /// how long the head had been arriving (zero for a head refused in its first read).
+    Refuse(ProxyError, Duration),
 }
 
 /// Drops the CR and LF bytes at the start of `buf`: empty lines before a request line.
@@ -215,6 +216,12 @@ impl ClientConn {
         // Once a drain has fired, when its grace ends: fixed at the first wait after it,
         // so empty lines cannot stretch it.
         let mut grace_end: Option<Instant> = None;
+        // The head's first wait began at `deadline - head_timeout`.
+        let waited = |deadline: Option<Instant>| {
+            deadline.map_or(Duration::ZERO, |d| {
+                Instant::now().saturating_duration_since(d - head_timeout)
+            })
+        };
         loop {
             if !self.inbuf.is_empty() {
                 match http::parse_request(&self.inbuf) {
@@ -223,7 +230,9 @@ impl ClientConn {
                         return HeadRead::Head(head);
                     }
                     Ok(HeadParse::Partial) => {}
-                    Err(e) => return HeadRead::Refuse(ProxyError::BadRequestHead(e)),
+                    Err(e) => {
+                        return HeadRead::Refuse(ProxyError::BadRequestHead(e), waited(deadline))
+                    }
                 }
             }
             let wait = if started {
@@ -252,7 +261,9 @@ impl ClientConn {
                 }
             };
             match r {
-                Err(_elapsed) if started => return HeadRead::Refuse(ProxyError::HeadTimeout),
+                Err(_elapsed) if started => {
+                    return HeadRead::Refuse(ProxyError::HeadTimeout, waited(deadline))
+                }
                 Err(_elapsed) => return HeadRead::Closed,
                 Ok(Ok(0)) | Ok(Err(_)) => return HeadRead::Closed,
                 Ok(Ok(_)) => {

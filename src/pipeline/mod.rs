@@ -168,13 +168,13 @@ pub async fn serve_client(ctx: Rc<WorkerCtx>, stream: TcpStream, addr: SocketAdd
                 ctx.put_inbuf(std::mem::take(&mut conn.inbuf));
                 return;
             }
-            HeadRead::Refuse(e) => {
+            HeadRead::Refuse(e, waited) => {
                 let resp = json_response(e.status(), &e.body(None), e.headers(), true);
                 let body_bytes = error_response::head_len(&resp).map_or(0, |h| resp.len() - h);
                 let sent = conn.write_all_bytes(resp).await.is_ok();
                 // Logged after the write: the bytes are those the client got.
                 let body_bytes = if sent { body_bytes as u64 } else { 0 };
-                unparsed_access_log(&ctx, e.status(), body_bytes);
+                unparsed_access_log(&ctx, e.status(), body_bytes, waited);
                 if sent {
                     conn.linger_close().await;
                 }
@@ -1945,7 +1945,9 @@ async fn refuse_logged(
 /// The access line of a request refused before its head could be used (malformed, too
 /// large, an unsupported transfer coding, or not complete in time): the same fields, with
 /// no method or path.
-fn unparsed_access_log(ctx: &WorkerCtx, status: u16, response_bytes: u64) {
+/// The access line of a head refused before it could be parsed; `waited` is how long the
+/// head had been arriving.
+fn unparsed_access_log(ctx: &WorkerCtx, status: u16, response_bytes: u64, waited: Duration) {
     let mut log = ctx.access_log.borrow_mut();
     if !log.enabled() {
         return;
@@ -1967,7 +1969,7 @@ fn unparsed_access_log(ctx: &WorkerCtx, status: u16, response_bytes: u64) {
         l.opt_u64("prompt_tokens", None);
         l.opt_u64("cached_tokens", None);
         l.opt_u64("completion_tokens", None);
-        l.thousandths("total_ms", 0);
+        l.thousandths("total_ms", waited.as_micros() as u64);
         l.str("end", relay::END_COMPLETE);
         l.opt_str("owner", None);
         l.u64("worker", ctx.index as u64);
