@@ -2187,3 +2187,77 @@ fn a_draining_router_keeps_the_slots_of_its_peers_until_it_is_done() {
         "only live//m1 is left"
     );
 }
+
+/// A router out of file descriptors bans no peer: a connect that fails on this host (EMFILE)
+/// says nothing of the peer. The request that hit it is answered 502 (the control: the
+/// descriptors did run out, for the proxied connect and for the health probes), yet no
+/// peer is banned, the probes record a local error, and once descriptors are free again
+/// the pool serves at once. It used to ban every peer it tried, and the probes kept the
+/// bans going while descriptors stayed short.
+#[test]
+fn running_out_of_file_descriptors_bans_no_peer() {
+    let (m0, m1) = (mock("m0"), mock("m1"));
+    let dir = temp_dir("emfile");
+    std::fs::write(
+        dir.0.join("routes/r.toml"),
+        route_for(
+            &[m0.addr(), m1.addr()],
+            "health_check_interval = 1\nhealth_ban_ttl = 60\n",
+        ),
+    )
+    .unwrap();
+    let p = start_serve_spawning(&dir.0, "", |cfg| {
+        let line = format!(
+            "ulimit -n 64 && exec {BIN} serve --config {} --workers 1 --no-pin --access-log off",
+            cfg.display()
+        );
+        let log = std::fs::File::create(cfg.with_file_name("router.log")).unwrap();
+        Command::new("sh")
+            .args(["-c", &line])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap()
+    });
+    // A kept connection, accepted while descriptors were free.
+    let c = connect(p.public);
+    let mut rd = BufReader::new(c.try_clone().unwrap());
+    let mut c = c;
+    let mut ask = |req: &[u8]| {
+        c.write_all(req).unwrap();
+        read_response(&mut rd, false).unwrap()
+    };
+    let chat = post_json("/r/v1/chat/completions", &chat_body("x", false), "");
+    let health = get("/r/_health_status");
+    assert_eq!(ask(&health).status, 200);
+    // Idle clients take every descriptor the router has left.
+    let idle: Vec<_> = (0..120).map(|_| connect(p.public)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let r = ask(&chat);
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert!(r.text().contains("Too many open files"), "{}", r.text());
+    // Two probe rounds under the shortage.
+    std::thread::sleep(Duration::from_millis(2500));
+    let hs = ask(&health).json();
+    for m in [&m0, &m1] {
+        let peer = &hs[m.addr().to_string()];
+        assert_eq!(peer["banned"], false, "{hs}");
+        assert_eq!(peer["bans"], 0, "{hs}");
+        assert_eq!(peer["last_probe"]["result"], "local_error", "{hs}");
+    }
+    // The accept loop retried all along, and said so once, not at every retry.
+    let log = std::fs::read_to_string(dir.0.join("router.log")).unwrap();
+    let lines = log.matches("accept failed").count();
+    assert_eq!(lines, 1, "{log}");
+    drop(idle);
+    eventually(Duration::from_secs(5), "served again", || {
+        ask(&chat).status == 200
+    });
+    let r = ask(&chat);
+    assert_eq!(
+        (r.status, r.header("x-routed-retries")),
+        (200, Some("0")),
+        "{}",
+        r.text()
+    );
+}

@@ -488,6 +488,55 @@ fn a_refusing_peer_is_retried_elsewhere_and_banned() {
     );
 }
 
+/// A peer that never completes a connect (a host that is down drops the SYN) is banned by
+/// the health check: its probe's connect has the route's connect timeout and fails, rather
+/// than running into the probe's own timeout, which reads as "busy" and left the peer in
+/// the pool to cost each request a connect timeout. The control: a live peer probed in the
+/// same rounds stays unbanned.
+#[test]
+fn a_peer_that_never_accepts_a_connection_is_banned_by_the_health_check() {
+    let alive = mock("alive");
+    // A listener nobody accepts on, its accept queue filled: the kernel then drops every
+    // further SYN to it, as a host that is down does.
+    let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let hole_addr = hole.local_addr().unwrap();
+    let mut queued = Vec::new();
+    loop {
+        match std::net::TcpStream::connect_timeout(&hole_addr, Duration::from_millis(200)) {
+            Ok(s) => queued.push(s),
+            Err(_) => break,
+        }
+        assert!(queued.len() < 5000, "the accept queue never filled");
+    }
+    let env = start(
+        &[(
+            "r",
+            route_for(
+                &[hole_addr, alive.addr()],
+                "health_check_interval = 1\nconnect_timeout_ms = 200\nhealth_ban_ttl = 60\n",
+            ),
+        )],
+        "",
+    );
+    let status = || request(env.public(), &get("/r/_health_status")).json();
+    eventually(
+        Duration::from_secs(6),
+        "the unreachable peer banned",
+        || status()[hole_addr.to_string()]["banned"] == true,
+    );
+    let hs = status();
+    assert_eq!(
+        hs[hole_addr.to_string()]["last_probe"]["result"],
+        "connect_failed",
+        "{hs}"
+    );
+    assert_eq!(hs[alive.addr().to_string()]["banned"], false, "{hs}");
+    assert!(hs[alive.addr().to_string()]["probes"].as_u64().unwrap() > 0);
+    // No request has been sent: the ban is the probe's.
+    assert_eq!(alive.stats().completions, 0);
+    drop(queued);
+}
+
 #[test]
 fn sub_pools_by_model_and_bare_v1() {
     let a = mock("a");

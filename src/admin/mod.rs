@@ -367,7 +367,7 @@ fn route_endpoint(
                         "last_probe": (probe_at > 0).then(|| json!({
                             "ago_ms": now.saturating_sub(probe_at),
                             "latency_ms": cell(cells::peer::PROBE_LATENCY_US) as f64 / 1000.0,
-                            "result": match cell(cells::peer::PROBE_STATUS) { 0 => json!("connect_failed"), 1 => json!("timeout"), 2 => json!("broken"), s => json!(s) },
+                            "result": match cell(cells::peer::PROBE_STATUS) { 0 => json!("connect_failed"), 1 => json!("timeout"), 2 => json!("broken"), 3 => json!("local_error"), s => json!(s) },
                         })),
                     }),
                 );

@@ -1,8 +1,11 @@
 //! Active health checks: `GET <probe path>` to every peer of a route.
 //!
 //! 2xx → healthy (unban). 429 or a timeout → alive but busy: no change. Refused, reset,
-//! a broken answer or any other status → banned for `health_ban_ttl` (refreshed while it
-//! keeps failing). Writes bans, transitions and probe figures to the segment.
+//! a connect that does not complete within the route's `connect_timeout_ms` (a host that is
+//! down drops the SYN), a broken answer or any other status → banned for `health_ban_ttl`
+//! (refreshed while it keeps failing). A connect that fails on this host (out of file
+//! descriptors or local ports) says nothing of the peer: no change. Writes bans,
+//! transitions and probe figures to the segment.
 
 use std::io;
 use std::rc::Rc;
@@ -23,6 +26,18 @@ pub enum ProbeOutcome {
     Timeout,
     ConnectFailed,
     Broken,
+    /// The connect failed on this host: [`local_connect_error`].
+    LocalError,
+}
+
+/// Whether a failed connect is this host's failure rather than the peer's: out of file
+/// descriptors, memory or buffers, or of local ports. Neither a probe nor a proxied request
+/// bans a peer for one (every peer would be banned by a brief descriptor spike).
+pub fn local_connect_error(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM | libc::EADDRNOTAVAIL)
+    )
 }
 
 /// What a probe outcome means for the peer.
@@ -37,7 +52,9 @@ pub enum HealthVerdict {
 pub fn verdict(o: ProbeOutcome) -> HealthVerdict {
     match o {
         ProbeOutcome::Status(s) if (200..300).contains(&s) => HealthVerdict::Healthy,
-        ProbeOutcome::Status(429) | ProbeOutcome::Timeout => HealthVerdict::Busy,
+        ProbeOutcome::Status(429) | ProbeOutcome::Timeout | ProbeOutcome::LocalError => {
+            HealthVerdict::Busy
+        }
         _ => HealthVerdict::Failed,
     }
 }
@@ -64,7 +81,8 @@ pub async fn probe_route(ctx: Rc<WorkerCtx>, route: Arc<RouteRt>) {
                 // for /v1/models, the default probe, too.
                 let key = route.cfg.opts.upstream_api_key.as_deref();
                 let t0 = Instant::now();
-                let outcome = probe(peer, path, key, timeout).await;
+                let connect_timeout = Duration::from_millis(route.cfg.opts.connect_timeout_ms);
+                let outcome = probe(peer, path, key, connect_timeout, timeout).await;
                 apply(&ctx, &route, peer, outcome, t0.elapsed());
             }));
         }
@@ -75,24 +93,38 @@ pub async fn probe_route(ctx: Rc<WorkerCtx>, route: Arc<RouteRt>) {
 }
 
 /// Send one probe, with `Authorization: Bearer <key>` when the route has an
-/// `upstream_api_key`.
+/// `upstream_api_key`. The connect has `connect_timeout` (as a proxied request's has) and
+/// the whole probe `timeout`: a peer that accepts and is slow to answer is busy, one that
+/// never accepts is down.
 pub async fn probe(
     peer: &PeerRt,
     path: &str,
     key: Option<&str>,
+    connect_timeout: Duration,
     timeout: Duration,
 ) -> ProbeOutcome {
-    match monoio::time::timeout(timeout, probe_inner(peer, path, key)).await {
+    let work = probe_inner(peer, path, key, connect_timeout.min(timeout));
+    match monoio::time::timeout(timeout, work).await {
         Err(_) => ProbeOutcome::Timeout,
         Ok(Ok(o)) => o,
         Ok(Err(_)) => ProbeOutcome::Broken,
     }
 }
 
-async fn probe_inner(peer: &PeerRt, path: &str, key: Option<&str>) -> io::Result<ProbeOutcome> {
-    let mut s = match TcpStream::connect_addr(peer.addr).await {
-        Ok(s) => s,
-        Err(_) => return Ok(ProbeOutcome::ConnectFailed),
+async fn probe_inner(
+    peer: &PeerRt,
+    path: &str,
+    key: Option<&str>,
+    connect_timeout: Duration,
+) -> io::Result<ProbeOutcome> {
+    let connect = TcpStream::connect_addr(peer.addr);
+    let mut s = match monoio::time::timeout(connect_timeout, connect).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) if local_connect_error(&e) => {
+            tracing::warn!(peer = %peer.name, addr = %peer.addr, error = %e, "health probe could not open a connection on this host; the peer's state is left as it was");
+            return Ok(ProbeOutcome::LocalError);
+        }
+        Ok(Err(_)) | Err(_) => return Ok(ProbeOutcome::ConnectFailed),
     };
     let _ = s.set_nodelay(true);
     let auth = key.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
@@ -135,6 +167,7 @@ fn apply(ctx: &WorkerCtx, route: &RouteRt, p: &PeerRt, outcome: ProbeOutcome, to
         ProbeOutcome::ConnectFailed => 0,
         ProbeOutcome::Timeout => 1,
         ProbeOutcome::Broken => 2,
+        ProbeOutcome::LocalError => 3,
     };
     seg.peer_cell(p.slot, peer::PROBE_STATUS)
         .store(code, Relaxed);
@@ -179,6 +212,7 @@ mod tests {
         assert_eq!(verdict(ProbeOutcome::Status(204)), HealthVerdict::Healthy);
         assert_eq!(verdict(ProbeOutcome::Status(429)), HealthVerdict::Busy);
         assert_eq!(verdict(ProbeOutcome::Timeout), HealthVerdict::Busy);
+        assert_eq!(verdict(ProbeOutcome::LocalError), HealthVerdict::Busy);
         assert_eq!(verdict(ProbeOutcome::Status(500)), HealthVerdict::Failed);
         assert_eq!(verdict(ProbeOutcome::Status(404)), HealthVerdict::Failed);
         assert_eq!(verdict(ProbeOutcome::ConnectFailed), HealthVerdict::Failed);

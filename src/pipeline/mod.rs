@@ -902,9 +902,14 @@ async fn proxy(
                     break;
                 }
                 Err(e) if e.is_connect() => {
-                    seg.peer_cell(peer.slot, cells::peer::FAILURES)
-                        .fetch_add(1, Relaxed);
-                    control::health::ban_on_connect_failure(ctx, route, peer);
+                    // A connect this host could not make (out of descriptors or ports) is
+                    // not the peer's failure: it is tried elsewhere, but nobody is banned.
+                    if !matches!(&e, ExchangeError::Connect(io) if control::health::local_connect_error(io))
+                    {
+                        seg.peer_cell(peer.slot, cells::peer::FAILURES)
+                            .fetch_add(1, Relaxed);
+                        control::health::ban_on_connect_failure(ctx, route, peer);
+                    }
                     if next.is_some() {
                         tracing::warn!(route = route.name(), peer = %peer.name, error = ?e, "connect failed; trying another peer");
                     } else {

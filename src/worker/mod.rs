@@ -368,6 +368,10 @@ fn build_runtime(uring: bool) -> std::io::Result<Runtime> {
 
 async fn accept_loop(ctx: Rc<WorkerCtx>, listener: monoio::net::TcpListener, kind: PortKind) {
     ctx.accepting.set(ctx.accepting.get() + 1);
+    // Accept failures since the last line about them, and when that line was written: a
+    // router out of descriptors retries every 20 ms, and says so once per `ACCEPT_LOG_EVERY`.
+    let mut failed: u64 = 0;
+    let mut logged_at: Option<std::time::Instant> = None;
     loop {
         let accepted = match race(listener.accept(), ctx.drain.wait()).await {
             Either::Left(r) => r,
@@ -391,12 +395,20 @@ async fn accept_loop(ctx: Rc<WorkerCtx>, listener: monoio::net::TcpListener, kin
             Ok((stream, addr)) => serve(&ctx, stream, addr, kind),
             Err(e) => {
                 // EMFILE and friends: back off instead of spinning on the error.
-                tracing::warn!(worker = ctx.index, error = %e, "accept failed");
+                failed += 1;
+                if logged_at.is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY) {
+                    tracing::warn!(worker = ctx.index, error = %e, failures = failed, "accept failed; retrying every 20 ms (the next such line in 10 s at the earliest)");
+                    failed = 0;
+                    logged_at = Some(std::time::Instant::now());
+                }
                 monoio::time::sleep(Duration::from_millis(20)).await;
             }
         }
     }
 }
+
+/// The least time between two log lines about failed accepts.
+const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// How long a draining listener must see no new connection before it closes, and the
 /// most it keeps accepting (under steady traffic the queue never stays empty). A
