@@ -387,6 +387,41 @@ fn vllm_format_renames_and_prunes_json_and_sse() {
     assert_eq!(raw.text(), VLLM_JSON);
 }
 
+/// The server's `[defaults] postprocess` applies to a route that sets none, and a route's
+/// own `postprocess = ""` turns it off (it used to fall back to the default again).
+#[test]
+fn a_routes_empty_postprocess_overrides_the_servers_default() {
+    let json_resp = format!("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{VLLM_JSON}", VLLM_JSON.len());
+    let b = raw_backend(vec![json_resp.into_bytes()], usize::MAX);
+    let env = start(
+        &[
+            ("inherits", route_for(&[b.addr], "")),
+            ("off", route_for(&[b.addr], "postprocess = \"\"\n")),
+        ],
+        "[defaults]\npostprocess = \"vllm_format\"\n",
+    );
+    let body = |route: &str| {
+        request(
+            env.public(),
+            &post_json(&format!("/{route}/v1/chat/completions"), "{}", ""),
+        )
+        .text()
+    };
+    // The control: the default is in force on the route that sets nothing.
+    assert!(body("inherits").contains("reasoning_content"));
+    assert_eq!(body("off"), VLLM_JSON);
+    let opts = request(env.public(), &get("/off/_route_opts")).json();
+    let pp = opts["options"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(opts["advanced"].as_array().unwrap())
+        .find(|o| o["key"] == "postprocess")
+        .cloned()
+        .unwrap();
+    assert_eq!(pp["value"], "", "{pp}");
+}
+
 #[test]
 fn route_opts_lists_every_option_and_agrees_with_the_engine() {
     let m = mock("m0");

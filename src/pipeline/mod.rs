@@ -1295,12 +1295,9 @@ fn response_filters(
     {
         chain.set_usage(crate::transform::UsageFrameFilter::new());
     }
-    let name = if route.cfg.opts.postprocess.is_empty() {
-        snap.config.server.defaults.postprocess.as_str()
-    } else {
-        route.cfg.opts.postprocess.as_str()
-    };
-    if let Some(handler) = crate::postprocess::Handler::from_name(name) {
+    // The route's value, with the server's `[defaults]` already applied when the route
+    // sets none: an explicit `""` turns post-processing off for the route.
+    if let Some(handler) = crate::postprocess::Handler::from_name(&route.cfg.opts.postprocess) {
         if let Some(mode) = crate::postprocess::mode_for(
             up.status,
             up.headers.get_known(crate::http::Known::CONTENT_TYPE),
