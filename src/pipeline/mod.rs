@@ -972,7 +972,7 @@ async fn proxy(
                 // Body filters for this response, then how the client's copy is framed:
                 // as the peer framed it unless a filter rewrites the body (re-chunked) or
                 // an HTTP/1.0 client cannot take chunks (raw, then close).
-                let mut filters = response_filters(route, snap, &ex.head, usage_injected);
+                let mut filters = response_filters(route, &ex.head, usage_injected);
                 let has_body = ex.head.framing != ResponseFraming::None;
                 let client = if has_body && !filters.is_empty() {
                     if head.minor_version == 0 {
@@ -1278,12 +1278,7 @@ async fn proxy(
 
 /// The body filters a response gets: the route's post-processing handler (or the server's
 /// default) for 2xx SSE and JSON bodies.
-fn response_filters(
-    route: &RouteRt,
-    snap: &Snapshot,
-    up: &ResponseHead,
-    usage_injected: bool,
-) -> FilterChain {
+fn response_filters(route: &RouteRt, up: &ResponseHead, usage_injected: bool) -> FilterChain {
     let mut chain = FilterChain::default();
     // The usage-only frame the router's own include_usage injection caused is removed, so
     // the client sees exactly the stream it asked for.
