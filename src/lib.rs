@@ -15,6 +15,7 @@ pub mod config;
 pub mod control;
 pub mod demo;
 pub mod http;
+pub mod lenient_json;
 pub mod limits;
 pub mod measure;
 pub mod pipeline;

@@ -713,7 +713,9 @@ impl RuleSet {
         if self.rules.is_empty() || body.is_empty() {
             return None;
         }
-        let parsed: Json = serde_json::from_slice(body).ok()?;
+        // JSON that serde_json refuses (a number too large, a lone surrogate, deep
+        // nesting) is still JSON to the engine, so it is still evaluated.
+        let parsed: Json = crate::lenient_json::parse(body)?;
         if !matches!(parsed, Json::Object(_) | Json::Array(_)) {
             return None;
         }

@@ -180,6 +180,56 @@ fn reject_rules_reject_with_their_status_and_count_hits() {
     }
 }
 
+/// A body that is JSON but that serde_json refuses (a number too large for an f64, a lone
+/// surrogate escape, nesting deeper than 128) is still evaluated: one such extra field
+/// used to let a request past every rule. The control: each body without the matching
+/// field passes.
+#[test]
+fn rules_see_json_that_serde_json_refuses() {
+    // A backend that answers 200 whatever the body (the mock refuses what serde refuses).
+    let b = raw_backend(
+        vec![b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec()],
+        usize::MAX,
+    );
+    // Without the rule that matches everything (as above).
+    let rules = RULES.replace(
+        "field = \"messages\"\nop = \"exists\"",
+        "field = \"model\"\nop = \"match\"\nvalue = \"^evil-\\\\d+$\"",
+    );
+    let env = start(&[("r", route_for(&[b.addr], &rules))], "");
+    let deep = format!("{}1{}", "[".repeat(200), "]".repeat(200));
+    for pad in ["1e999", r#""cut \ud83d""#, deep.as_str()] {
+        for (model, status) in [("banned-model", 422), ("m", 200)] {
+            let body = format!(
+                r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}],"pad":{pad}}}"#
+            );
+            let r = request(
+                env.public(),
+                &post_json("/r/v1/chat/completions", &body, ""),
+            );
+            assert_eq!(
+                r.status,
+                status,
+                "{model} with {}",
+                &pad[..pad.len().min(20)]
+            );
+            if status == 422 {
+                assert_eq!(r.json()["error"]["rule"], "nested");
+            }
+        }
+    }
+    // A body too large is refused by `input_bytes` whatever else it holds.
+    let big = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}],"pad":"\udc00"}}"#,
+        "x".repeat(3000)
+    );
+    let r = request(env.public(), &post_json("/r/v1/chat/completions", &big, ""));
+    assert_eq!(
+        (r.status, r.json()["error"]["rule"].as_str()),
+        (413, Some("too-big"))
+    );
+}
+
 #[test]
 fn rules_are_off_until_enabled() {
     let m = mock("m0");
