@@ -217,6 +217,13 @@ fn the_log_keeps_the_clients_body_when_the_router_injects_include_usage() {
         let i: usize = r["session_id"].as_str().unwrap()["inject-".len()..]
             .parse()
             .unwrap();
+        // The session id came from a header, so the router had no need to parse the
+        // body for routing: the record still names the body's model and stream flag.
+        assert_eq!(
+            (r["model"].as_str(), r["stream"].as_bool()),
+            (Some("mock-model"), Some(true)),
+            "record {i}"
+        );
         // The peer was asked for usage: the frame it sent is in the record.
         assert_eq!(
             r["usage"]["completion_tokens"], 4,

@@ -62,6 +62,11 @@ impl Capture {
         }
     }
 
+    /// The request body as captured (cut at [`REQ_BODY_MAX_BYTES`]).
+    pub fn request_body(&self) -> &[u8] {
+        &self.request
+    }
+
     /// Mark the request body as incomplete (e.g. it was streamed to the peer without being
     /// held in memory).
     pub fn set_request_truncated(&mut self) {

@@ -1169,8 +1169,7 @@ async fn proxy(
                         routed: Some(&routed),
                         sid: sid.as_ref().map(|s| &*s.id),
                         source: &routing.source,
-                        model,
-                        stream: p.fields.as_ref().is_some_and(|f| f.stream),
+                        fields: p.fields.as_ref(),
                         status: ex.head.status,
                         stats: &stats,
                     };
@@ -1364,8 +1363,9 @@ struct BodylogEntry<'a> {
     routed: Option<&'a Routed<'a>>,
     sid: Option<&'a str>,
     source: &'a str,
-    model: Option<&'a str>,
-    stream: bool,
+    /// The body's fields as the router read them; `None` when it did not parse the body
+    /// (a header gave the session id) or the body is not a JSON object.
+    fields: Option<&'a BodyFields>,
     status: u16,
     stats: &'a RelayStats,
 }
@@ -1383,6 +1383,16 @@ fn bodylog_send(
     let secs = |t: Option<Instant>| {
         t.map(|t| (t.duration_since(e.started).as_secs_f64() * 1000.0).round() / 1000.0)
     };
+    // The record names the body's model and stream flag even when routing had no need to
+    // parse the body: then the captured body is read now (only a sampled record pays).
+    let parsed;
+    let fields = match e.fields {
+        Some(f) => Some(f),
+        None => {
+            parsed = session_id::parse_body(capture.request_body());
+            parsed.as_ref()
+        }
+    };
     let mut meta = json!({
         "ts_ms": e.start_ms,
         "request_id": format!("{:016x}{:016x}", ctx.random(), ctx.random()),
@@ -1393,7 +1403,7 @@ fn bodylog_send(
         "uri": e.head.target(),
         "req_headers": crate::bodylog::capture::scrub_headers(e.head.headers.iter()),
         "session_src": e.source,
-        "stream": e.stream,
+        "stream": fields.is_some_and(|f| f.stream),
         "status": e.status,
         "rt": (e.started.elapsed().as_secs_f64() * 1000.0).round() / 1000.0,
     });
@@ -1416,7 +1426,7 @@ fn bodylog_send(
         put("mode", json!(r.mode));
     }
     put("session_id", json!(e.sid));
-    put("model", json!(e.model));
+    put("model", json!(fields.and_then(|f| f.model.as_deref())));
     put("first_chunk_t", json!(secs(e.stats.first_body_at)));
     put("last_chunk_t", json!(secs(e.stats.last_body_at)));
     if let Some(u) = e.stats.usage {
@@ -1837,8 +1847,7 @@ impl<'a> LoggedRequest<'a> {
             routed: self.routed,
             sid: self.sid,
             source,
-            model: self.fields.and_then(|f| f.model.as_deref()),
-            stream: self.fields.is_some_and(|f| f.stream),
+            fields: self.fields,
             status,
             stats,
         };
