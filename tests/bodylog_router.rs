@@ -507,3 +507,47 @@ fn refused_requests_reach_the_body_log_with_the_routers_answer() {
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_file(&access);
 }
+
+/// A client's huge session id or model does not keep its request out of the body log: the
+/// record's meta cuts them (it was dropped as too large to encode). The control: a
+/// request with a short id is logged whole.
+#[test]
+fn a_request_with_a_huge_session_id_is_still_logged() {
+    let (dir, _port, l, _m, env) = logged_route("bodylog-huge-meta");
+    let huge = "h".repeat(70_000);
+    for sid in ["short-one", huge.as_str()] {
+        let body = serde_json::json!({
+            "model": "mock-model",
+            "metadata": {"session_id": sid},
+            "messages": [{"role": "user", "content": "x"}],
+        })
+        .to_string();
+        let r = request(
+            env.public(),
+            &post_json("/r/v1/chat/completions", &body, ""),
+        );
+        assert_eq!(r.status, 200);
+    }
+    eventually(Duration::from_secs(20), "2 records written", || {
+        records(&dir).len() == 2
+    });
+    let mut ids: Vec<(usize, bool)> = records(&dir)
+        .iter()
+        .map(|r| {
+            (
+                r["session_id"].as_str().unwrap().len(),
+                r["meta_cut"] == true,
+            )
+        })
+        .collect();
+    ids.sort();
+    assert_eq!(
+        ids,
+        [
+            ("short-one".len(), false),
+            (warmroute::bodylog::sender::META_STRING_CUT + 3, true)
+        ]
+    );
+    l.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -342,15 +342,45 @@ impl Sender {
     }
 }
 
-/// Encode `rec` into a fresh frame; a meta too large for the u16 field loses `req_headers`.
+/// The longest string a meta keeps once it had to shrink (bytes, before `...`).
+pub const META_STRING_CUT: usize = 4096;
+
+/// Encode `rec` into a fresh frame. A meta too large for the u16 field loses `req_headers`
+/// first (`req_headers_dropped`); if it is still too large, each string longer than
+/// [`META_STRING_CUT`] (a client's huge session id, model or URI) is cut there with `...`
+/// (`meta_cut`), so a client cannot keep its requests out of the log.
 pub fn encode_shrinking(mut rec: Record) -> Result<Vec<u8>, EncodeError> {
-    let mut meta = serde_json::to_vec(&rec.meta).map_err(|e| EncodeError::Meta(e.to_string()))?;
+    let encode = |meta: &serde_json::Value| {
+        serde_json::to_vec(meta).map_err(|e| EncodeError::Meta(e.to_string()))
+    };
+    let mut meta = encode(&rec.meta)?;
     if meta.len() > META_MAX_BYTES {
         if let Some(m) = rec.meta.as_object_mut() {
             if m.remove("req_headers").is_some() {
                 m.insert("req_headers_dropped".into(), serde_json::Value::Bool(true));
-                meta =
-                    serde_json::to_vec(&rec.meta).map_err(|e| EncodeError::Meta(e.to_string()))?;
+                meta = encode(&rec.meta)?;
+            }
+        }
+    }
+    if meta.len() > META_MAX_BYTES {
+        if let Some(m) = rec.meta.as_object_mut() {
+            let mut cut = false;
+            for v in m.values_mut() {
+                if let serde_json::Value::String(text) = v {
+                    if text.len() > META_STRING_CUT {
+                        let mut at = META_STRING_CUT;
+                        while !text.is_char_boundary(at) {
+                            at -= 1;
+                        }
+                        text.truncate(at);
+                        text.push_str("...");
+                        cut = true;
+                    }
+                }
+            }
+            if cut {
+                m.insert("meta_cut".into(), serde_json::Value::Bool(true));
+                meta = encode(&rec.meta)?;
             }
         }
     }
@@ -386,10 +416,32 @@ mod tests {
         let f = encode_shrinking(rec(meta)).unwrap();
         let (r, _) = decode(&f).unwrap().unwrap();
         assert_eq!(r.meta, json!({"route": "r", "req_headers_dropped": true}));
-        // Without headers to drop it is an error.
-        let meta = json!({"route": "x".repeat(70_000)});
+        // Then long strings (a client's session id, model, URI) are cut, headers kept
+        // when that is enough.
+        let meta = json!({
+            "session_id": "s".repeat(70_000),
+            "model": format!("{}é", "m".repeat(META_STRING_CUT - 1)),
+            "route": "r",
+            "req_headers": {"x": "h"},
+        });
+        let f = encode_shrinking(rec(meta)).unwrap();
+        let (r, _) = decode(&f).unwrap().unwrap();
+        assert_eq!(
+            r.meta,
+            json!({
+                "session_id": format!("{}...", "s".repeat(META_STRING_CUT)),
+                "model": format!("{}...", "m".repeat(META_STRING_CUT - 1)),
+                "route": "r",
+                "req_headers_dropped": true,
+                "meta_cut": true,
+            })
+        );
+        // A meta too large even then is an error.
+        let meta: serde_json::Map<String, serde_json::Value> = (0..20)
+            .map(|i| (format!("k{i}"), json!("v".repeat(META_STRING_CUT))))
+            .collect();
         assert!(matches!(
-            encode_shrinking(rec(meta)),
+            encode_shrinking(rec(meta.into())),
             Err(EncodeError::MetaTooLarge(_))
         ));
     }
@@ -413,7 +465,10 @@ mod tests {
         assert_eq!(s.stats().queued_bytes, one * 2);
         assert_eq!(s.stats().dropped, 1);
 
-        let bad = rec(json!({"x": "y".repeat(70_000)}));
+        let bad: serde_json::Map<String, serde_json::Value> = (0..20)
+            .map(|i| (format!("k{i}"), json!("y".repeat(META_STRING_CUT))))
+            .collect();
+        let bad = rec(bad.into());
         assert!(!s.try_send(bad));
         assert_eq!(s.stats().encode_errors, 1);
         s.stop();
