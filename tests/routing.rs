@@ -754,6 +754,57 @@ fn debug_endpoints_explain_and_dry_run_routing() {
     }
 }
 
+/// A sticky-table session whose peer died is placed where its retry was served: its next
+/// turn goes to that peer's cache as a placed session (mode `hash`). It used to keep
+/// pointing at the dead peer, so each later turn was placed anew by load.
+#[test]
+fn a_sticky_session_moved_by_a_retry_stays_where_it_was_served() {
+    let mut mocks: Vec<_> = (0..2).map(|i| mock(&format!("m{i}"))).collect();
+    let addrs: Vec<SocketAddr> = mocks.iter().map(|m| m.addr()).collect();
+    let env = start(
+        &[(
+            "table",
+            route_for(
+                &addrs,
+                "affinity_hash = \"sticky_table\"\nhealth_check_interval = 3600\n",
+            ),
+        )],
+        "",
+    );
+    let send = |id: &str| {
+        let r = chat(
+            &env,
+            "/table/v1/chat/completions",
+            json!({"messages": []}),
+            &format!("x-session-id: {id}\r\n"),
+        );
+        assert_eq!(r.status, 200);
+        (
+            r.header("x-routed-peer").unwrap().to_string(),
+            r.header("x-routed-retries").unwrap().to_string(),
+            r.header("x-routed-mode").unwrap().to_string(),
+        )
+    };
+    let (first, _, mode) = send("s");
+    assert_eq!(mode, "least_conn");
+    assert_eq!(
+        send("s").2,
+        "hash",
+        "the control: a placed session's next turn"
+    );
+    let dead: usize = first[1..].parse().unwrap();
+    mocks.remove(dead).shutdown();
+    let (moved, retries, _) = send("s");
+    assert_eq!(retries, "1");
+    assert_ne!(moved, first);
+    assert_eq!(
+        send("s"),
+        (moved.clone(), "0".to_string(), "hash".to_string())
+    );
+    let dbg = request(env.public(), &get("/table/_route_debug?sid=s")).json();
+    assert_eq!(dbg["natural_target"], json!(moved));
+}
+
 #[test]
 fn sticky_table_places_new_sessions_by_load_and_keeps_them_there() {
     // Two sessions that crc32 puts on the same one of two peers.

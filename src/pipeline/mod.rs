@@ -883,6 +883,11 @@ async fn proxy(
                     req_buf = ex.req;
                 }
                 Ok(ex) => {
+                    // A session a retry moved lives on the peer that served it now: its
+                    // next turn goes there, to the prefix this turn left in that cache.
+                    if let (true, Some((k, _))) = (retries > 0, placement) {
+                        pool.place_session(seg, k, idx, now_s);
+                    }
                     outcome = Some(Ok((
                         ex,
                         Routed {
