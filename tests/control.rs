@@ -181,6 +181,58 @@ fn adaptive_limit_falls_with_the_decode_rate_and_climbs_back() {
     assert_eq!(limit(), high);
 }
 
+/// TTFT switched off at run time (`_ttft_toggle?on=0`) is no signal for the adaptive
+/// controller either: under a TTFT above the limit and a healthy decode rate, the route
+/// with TTFT on shrinks its limit (the control), the route with it off does not.
+#[test]
+fn a_ttft_switched_off_no_longer_shrinks_the_adaptive_limit() {
+    let m = mock_with("slow-first-token", |c| {
+        c.ttft_base_ms = 150;
+        c.decode_tps = 400.0;
+    });
+    let route = format!(
+        "peers = [ {{ host = \"127.0.0.1\", port = {}, max_concurrency = 10 }} ]\n\
+         adaptive_cc = true\nadaptive_cc_init = 8\nadaptive_cc_interval = 1\nadaptive_cc_hold_when_idle = true\n\
+         tps_limit_tps = 40\ntps_window = 1\ntps_ttl = 30\ntps_min_tokens = 16\ntps_min_decode_s = 0.2\n\
+         ttft_limit_ms = 50\nttft_window = 1\nttft_ttl = 30\n",
+        m.addr().port()
+    );
+    let env = start(&[("on", route.clone()), ("off", route)], "");
+    request(env.public(), &get("/off/_ttft_toggle?on=0"));
+    let limit = |r: &str| {
+        request(env.public(), &get(&format!("/{r}/_route_state"))).json()["limit"]
+            .as_f64()
+            .unwrap()
+    };
+    assert_eq!((limit("on"), limit("off")), (8.0, 8.0));
+    let addr = env.public();
+    let hs: Vec<_> = ["on", "off"]
+        .iter()
+        .flat_map(|r| std::iter::repeat_n(*r, 3))
+        .map(|r| {
+            std::thread::spawn(move || {
+                let t0 = Instant::now();
+                while t0.elapsed() < Duration::from_secs(5) {
+                    let body = json!({"model": "m", "stream": true, "max_tokens": 120, "messages": [{"role": "user", "content": "go"}]});
+                    let resp = request(
+                        addr,
+                        &post_json(&format!("/{r}/v1/chat/completions"), &body.to_string(), ""),
+                    );
+                    if resp.status != 200 {
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap();
+    }
+    let (on, off) = (limit("on"), limit("off"));
+    assert!(on < 8.0, "TTFT on: the limit shrinks ({on})");
+    assert!(off >= 8.0, "TTFT off: no TTFT shrink ({off})");
+}
+
 #[test]
 fn session_priority_refuses_turn_one_first_near_the_limit() {
     let m = mock("m0");
@@ -367,9 +419,24 @@ fn route_state_shows_the_adaptive_limit_in_force_and_the_static_one() {
          adaptive_cc = true\nadaptive_cc_init = 3\nadaptive_cc_interval = 600\n",
         m.addr().port()
     );
-    let env = start(&[("r", route)], "");
+    // Without a decode-rate threshold adaptive concurrency has nothing to steer by: it is
+    // off, and the static limit applies (notes-control §4.1; it held the pool at 3).
+    let env = start(
+        &[
+            ("r", format!("{route}tps_limit_tps = 5\n")),
+            ("nosignal", route),
+        ],
+        "",
+    );
+    let st = request(env.public(), &get("/nosignal/_route_state")).json();
+    assert_eq!(
+        (&st["limit"], &st["adaptive_cc_in_force"]),
+        (&json!(8), &json!(false)),
+        "{st}"
+    );
     let st = request(env.public(), &get("/r/_route_state")).json();
     assert_eq!(st["limit"], 3, "the adaptive limit: {st}");
+    assert_eq!(st["adaptive_cc_in_force"], true, "{st}");
     assert_eq!(
         st["pool_limit"], 8,
         "the static capacity stays visible: {st}"
@@ -391,6 +458,20 @@ fn route_state_shows_the_adaptive_limit_in_force_and_the_static_one() {
         (json!(3), json!(3)),
         "{st}"
     );
+    // Switching the decode rate off at run time puts the static limit back at once (the
+    // operator's way out of a limit stuck low), and on again the adaptive one.
+    let limit = |toggle: &str| {
+        request(env.public(), &get(&format!("/r/_tps_toggle?on={toggle}")));
+        let st = request(env.public(), &get("/r/_route_state")).json();
+        (st["limit"].clone(), st["adaptive_cc_in_force"].clone())
+    };
+    assert_eq!(limit("0"), (json!(8), json!(false)));
+    let r = request(
+        env.public(),
+        &post_json("/r/v1/chat/completions", &chat_body("x", false), ""),
+    );
+    assert_eq!(r.status, 200, "a fourth request fits the static limit");
+    assert_eq!(limit("1"), (json!(3), json!(true)));
     for h in held {
         assert_eq!(h.join().unwrap().status, 200);
     }

@@ -702,7 +702,7 @@ impl RouteOpts {
         if self.adaptive_cc && self.tps_limit_tps.is_none() && self.tps_metrics.is_empty() {
             d.warn(
                 "adaptive_cc",
-                "without tps_limit_tps or tps_metrics the adaptive limit has no decode rate signal and stays at its start value",
+                "without tps_limit_tps or tps_metrics adaptive concurrency has no decode rate signal to steer by and is off: the static limit applies",
             );
         }
     }

@@ -307,7 +307,7 @@ pub fn concurrency_limit(
     now_s: u64,
     pool_limit: f64,
 ) -> f64 {
-    if !opts.adaptive_cc {
+    if !adaptive_in_force(opts, pool, seg, now_s) {
         return pool_limit;
     }
     aimd::gate_limit(
@@ -316,6 +316,17 @@ pub fn concurrency_limit(
         static_max(pool),
         pool_limit,
     )
+}
+
+/// Whether the pool's limit is the adaptive one: `adaptive_cc` on, a decode-rate threshold
+/// to steer by (without one adaptive concurrency is off and the static limit applies,
+/// `reference/notes-control.md` §4.1), and the decode-rate signal not switched off at run
+/// time (`_tps_toggle?on=0` puts the static pool limit back at once, as the reference's
+/// does; on again, the stored adaptive value applies again).
+pub fn adaptive_in_force(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) -> bool {
+    opts.adaptive_cc
+        && !ps::gate_off(seg, pool.slots.tps)
+        && threshold(opts, Signal::Tps, pool, seg, now_s).is_some()
 }
 
 /// One tick of the elected worker for one pool: fold closed windows, step the adaptive
@@ -334,7 +345,7 @@ pub fn tick(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) {
         ps::store_window_state(seg, slot, ewma::advance_merged(st, &cfg.ewma, now_s, v));
     }
     let c = |i| ps::ctl_cell(seg, pool.slots.ctl, i);
-    if opts.adaptive_cc
+    if adaptive_in_force(opts, pool, seg, now_s)
         && now_s >= c(ctl::AIMD_TICK_S).load(Relaxed) + opts.adaptive_cc_interval.max(1)
     {
         c(ctl::AIMD_TICK_S).store(now_s, Relaxed);
@@ -347,7 +358,9 @@ pub fn tick(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) {
             rejected_since_last: c(ctl::REJ).load(Relaxed),
             tps_ewma: current_ewma(opts, Signal::Tps, pool, seg, now_s),
             tps_threshold: threshold(opts, Signal::Tps, pool, seg, now_s).map(|t| t.0),
-            ttft_ewma: current_ewma(opts, Signal::Ttft, pool, seg, now_s),
+            // TTFT switched off at run time is no signal for the controller either.
+            ttft_ewma: current_ewma(opts, Signal::Ttft, pool, seg, now_s)
+                .filter(|_| !ps::gate_off(seg, pool.slots.ttft)),
             ttft_threshold: threshold(opts, Signal::Ttft, pool, seg, now_s).map(|t| t.0),
             static_max: static_max(pool),
         };
