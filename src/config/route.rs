@@ -699,6 +699,21 @@ impl RouteOpts {
                 "adaptive_cc_init is also set and takes precedence",
             );
         }
+        for (field, list) in [
+            ("ttft_metrics", &self.ttft_metrics),
+            ("tps_metrics", &self.tps_metrics),
+        ] {
+            if list.len() > 1 {
+                d.warn(
+                    field,
+                    &format!(
+                        "only the first entry ({}) is measured and judged; the {} after it are ignored",
+                        list[0].metric,
+                        list.len() - 1
+                    ),
+                );
+            }
+        }
         if self.adaptive_cc && self.tps_limit_tps.is_none() && self.tps_metrics.is_empty() {
             d.warn(
                 "adaptive_cc",

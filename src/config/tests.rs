@@ -1012,3 +1012,27 @@ fn an_empty_key_table_and_an_empty_peer_list_are_warned_about() {
     let c = one(&format!("{MIN_ROUTE}\napi_keys = {{ \"sk\" = \"o\" }}\n")).unwrap();
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);
 }
+
+/// Only the first entry of `ttft_metrics` / `tps_metrics` is measured and judged: a longer
+/// list is loaded with a warning that says so (the later entries were ignored silently).
+/// The control: a one-entry list loads without one.
+#[test]
+fn metric_lists_longer_than_one_entry_are_warned_about() {
+    let route = |list: &str| {
+        format!("peers = [ {{ host = \"127.0.0.1\", port = 8001 }} ]\nttft_metrics = [ {list} ]\n")
+    };
+    let one = route(r#"{ metric = "p50", q = 0.5, threshold = 100000 }"#);
+    let c = strs(None, &[("r", one.as_str())]).unwrap();
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    let two = route(
+        r#"{ metric = "p50", q = 0.5, threshold = 100000 }, { metric = "p95", q = 0.95, threshold = 300 }"#,
+    );
+    let c = strs(None, &[("r", two.as_str())]).unwrap();
+    assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
+    let w = &c.warnings[0];
+    assert_eq!(w.field, "ttft_metrics");
+    assert!(
+        w.message.contains("only the first entry (p50)") && w.message.contains("the 1 after"),
+        "{w}"
+    );
+}
