@@ -706,7 +706,7 @@ impl RouteOpts {
             if list.len() > 1 {
                 d.warn(
                     field,
-                    &format!(
+                    format!(
                         "only the first entry ({}) is measured and judged; the {} after it are ignored",
                         list[0].metric,
                         list.len() - 1
