@@ -514,3 +514,35 @@ fn route_opts_lists_every_option_and_agrees_with_the_engine() {
     }
     assert!(v["adaptive_cc_bounds"][0]["static_max"].as_u64().unwrap() >= 1);
 }
+
+/// `_route_opts` shows the band adaptive concurrency moves in as the controller computes
+/// it, also when a lower tier is larger than the top one (it took the top tier's 20
+/// where the controller takes 30). The control is `_tps_status`, the controller's view.
+#[test]
+fn route_opts_shows_the_adaptive_band_the_controller_uses() {
+    let (a, b, c) = (mock("a"), mock("b"), mock("c"));
+    let route = format!(
+        "peers = [ {{ host = \"127.0.0.1\", port = {}, max_concurrency = 12 }}, \
+         {{ host = \"127.0.0.1\", port = {}, max_concurrency = 8 }}, \
+         {{ host = \"127.0.0.1\", port = {}, max_concurrency = 30, priority = -1 }} ]\n\
+         adaptive_cc = true\nadaptive_cc_min = 3\nadaptive_cc_init_frac = 0.75\ntps_limit_tps = 10\n",
+        a.addr().port(),
+        b.addr().port(),
+        c.addr().port()
+    );
+    let env = start(&[("r", route)], "");
+    let band =
+        request(env.public(), &get("/r/_route_opts")).json()["adaptive_cc_bounds"][0].clone();
+    let engine = request(env.public(), &get("/r/_tps_status")).json()["pools"]["_"].clone();
+    let f = |v: &serde_json::Value| v.as_f64().unwrap();
+    assert_eq!(
+        (f(&band["static_max"]), f(&band["floor"]), f(&band["start"])),
+        (
+            f(&engine["adaptive_cc_max"]),
+            f(&engine["adaptive_cc_min"]),
+            f(&engine["adaptive_cc_init"])
+        ),
+        "{band} {engine}"
+    );
+    assert_eq!(band["floor"], 3);
+}

@@ -57,36 +57,21 @@ pub fn render(snap: &Snapshot, route: &RouteRt) -> Value {
             main.push(entry);
         }
     }
-    // The static capacity per sub-pool: the highest tier's configured capacity, which is
-    // the ceiling adaptive concurrency moves under.
+    // Per sub-pool, the band adaptive concurrency moves in, from the functions the
+    // controller itself uses (a second computation here once disagreed with it).
+    let params = crate::control::latency::aimd_params(opts);
+    let limit = crate::pipeline::error_response::limit_json;
     let pools: Vec<Value> = route
         .pools
         .iter()
         .map(|p| {
-            let top = p.peers.iter().map(|x| x.priority).max();
-            let static_max: u64 = p
-                .peers
-                .iter()
-                .filter(|x| Some(x.priority) == top)
-                .map(|x| x.max_concurrency as u64)
-                .sum();
-            let floor = opts
-                .adaptive_cc_min
-                .map(u64::from)
-                .unwrap_or_else(|| {
-                    ((static_max as f64 * opts.adaptive_cc_min_frac).floor() as u64).max(1)
-                })
-                .min(static_max);
-            let start = opts
-                .adaptive_cc_init
-                .map(u64::from)
-                .or_else(|| {
-                    opts.adaptive_cc_init_frac
-                        .map(|f| (static_max as f64 * f).floor() as u64)
-                })
-                .unwrap_or(floor)
-                .clamp(floor, static_max.max(floor));
-            json!({"model": p.model, "static_max": static_max, "floor": floor, "start": start})
+            let smax = crate::control::latency::static_max(p);
+            json!({
+                "model": p.model,
+                "static_max": limit(smax),
+                "floor": limit(crate::control::aimd::floor(&params, smax)),
+                "start": limit(crate::control::aimd::start(&params, smax)),
+            })
         })
         .collect();
     json!({
