@@ -855,3 +855,40 @@ fn a_head_timeout_is_logged_with_the_time_the_head_took() {
     assert!((390.0..2000.0).contains(&total(408)), "{}", total(408));
     assert!(total(400) < 100.0, "{}", total(400));
 }
+
+/// A peer's EWMAs in `/metrics` expire with their route's `ttft_ttl` / `tps_ttl`, as
+/// `_health_status` shows them (they stayed for 60 s whatever the route said). The
+/// control: both are there right after the sample.
+#[test]
+fn peer_ewmas_in_metrics_expire_with_the_routes_ttl() {
+    let m = mock_with("m0", |c| {
+        c.ttft_base_ms = 100;
+        c.decode_tps = 100.0;
+    });
+    let route = route_for(&[m.addr()], "ttft_ttl = 1\ntps_ttl = 1\n");
+    let env = start(&[("r", route)], "");
+    // 80 tokens at 100 tokens/s: long enough a decode to be measured.
+    let body = serde_json::json!({"model": "m", "stream": true, "max_tokens": 80, "messages": [{"role": "user", "content": "go"}]});
+    let r = request(
+        env.public(),
+        &post_json("/r/v1/chat/completions", &body.to_string(), ""),
+    );
+    assert_eq!(r.status, 200);
+    let has = |name: &str| {
+        scrape(&env)
+            .1
+            .keys()
+            .any(|k| k.starts_with(&format!("{name}{{")))
+    };
+    let both = || {
+        (
+            has("warmroute_peer_ttft_ewma_seconds"),
+            has("warmroute_peer_decode_rate_ewma"),
+        )
+    };
+    assert_eq!(both(), (true, true));
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(both(), (false, false));
+    let hs = request(env.public(), &get("/r/_health_status")).json();
+    assert!(hs[m.addr().to_string()]["ttft_ewma_ms"].is_null(), "{hs}");
+}

@@ -192,44 +192,40 @@ fn pool_effective_limit(x: &mut Exposition, s: &Sources) {
     }
 }
 
-fn peer_ttft_ewma(x: &mut Exposition, s: &Sources) {
+/// A per-peer EWMA family (`which`: 0 TTFT, 1 decode rate), each peer's shown for its
+/// route's TTL, as `_health_status` shows it.
+fn peer_ewma_family(x: &mut Exposition, s: &Sources, name: &'static str, help: &str, which: usize) {
     let now_s = s.now_ms / 1000;
-    peer_family(
+    let (cell, scale) = match which {
+        0 => (crate::measure::PEER_TTFT, 1000.0),
+        _ => (crate::measure::PEER_TPS, 1.0),
+    };
+    let mut f = x.family(name, Kind::Gauge, help);
+    for p in &s.peers {
+        let ttl = p.ewma_ttl_s[which];
+        if let Some(v) = crate::measure::peer_ewma(s.seg, p.rt.slot, cell, now_s, ttl) {
+            f.sample(&p.labels, v / scale);
+        }
+    }
+}
+
+fn peer_ttft_ewma(x: &mut Exposition, s: &Sources) {
+    peer_ewma_family(
         x,
         s,
         "warmroute_peer_ttft_ewma_seconds",
-        Kind::Gauge,
         "Per-peer TTFT EWMA (per sample), for comparing peers.",
-        |p| {
-            crate::measure::peer_ewma(
-                s.seg,
-                p.slot,
-                crate::measure::PEER_TTFT,
-                now_s,
-                crate::control::ewma::DEFAULT_TTL_S,
-            )
-            .map(|v| v / 1000.0)
-        },
+        0,
     );
 }
 
 fn peer_decode_rate_ewma(x: &mut Exposition, s: &Sources) {
-    let now_s = s.now_ms / 1000;
-    peer_family(
+    peer_ewma_family(
         x,
         s,
         "warmroute_peer_decode_rate_ewma",
-        Kind::Gauge,
         "Per-peer decode-rate EWMA in tokens per second (per sample).",
-        |p| {
-            crate::measure::peer_ewma(
-                s.seg,
-                p.slot,
-                crate::measure::PEER_TPS,
-                now_s,
-                crate::control::ewma::DEFAULT_TTL_S,
-            )
-        },
+        1,
     );
 }
 
@@ -357,6 +353,9 @@ pub struct PoolView<'a> {
 pub struct PeerView<'a> {
     pub rt: &'a PeerRt,
     pub labels: Labels,
+    /// Its route's `ttft_ttl` and `tps_ttl`: how long its EWMAs stay shown, as in
+    /// `_health_status`.
+    pub ewma_ttl_s: [u64; 2],
 }
 
 /// What a scrape reports of one worker that the segment does not hold.
@@ -413,6 +412,7 @@ impl<'a> Sources<'a> {
                     }
                     peers.push(PeerView {
                         rt: peer,
+                        ewma_ttl_s: [r.cfg.opts.ttft_ttl, r.cfg.opts.tps_ttl],
                         labels: pool_labels.with(&[
                             ("peer", &peer.name),
                             ("addr", &peer.addr.to_string()),
