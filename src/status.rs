@@ -20,6 +20,12 @@ pub struct Status {
 /// peer row gets its name and `max_concurrency`, and rows the configuration no longer
 /// has (routes or peers removed by a reload) are marked, as their counts stay in the
 /// segment.
+/// The EWMA lifetimes shown without a configuration: the `ttft_ttl` and `tps_ttl` defaults.
+const DEFAULT_EWMA_TTLS: [u64; 2] = [
+    crate::control::ewma::DEFAULT_TTL_S,
+    crate::control::ewma::DEFAULT_TTL_S,
+];
+
 pub fn render(path: &Path, config: Option<&Config>) -> std::io::Result<Status> {
     let seg = Segment::open_existing(path)?;
     let now = now_ms();
@@ -61,8 +67,10 @@ pub fn render(path: &Path, config: Option<&Config>) -> std::io::Result<Status> {
             expires.saturating_sub(now) as i64
         );
     }
-    // Segment key -> (peer name, max_concurrency) for the configured peers.
-    let configured: Option<HashMap<String, (&str, u32)>> = config.map(|c| {
+    // Segment key -> (peer name, max_concurrency, its route's ttft_ttl and tps_ttl) for the
+    // configured peers.
+    type Configured<'c> = (&'c str, u32, [u64; 2]);
+    let configured: Option<HashMap<String, Configured>> = config.map(|c| {
         c.routes
             .iter()
             .flat_map(|r| {
@@ -70,7 +78,11 @@ pub fn render(path: &Path, config: Option<&Config>) -> std::io::Result<Status> {
                     pool.peers.iter().map(move |p| {
                         (
                             crate::snapshot::peer_key(&r.name, pool.model.as_deref(), p.addr),
-                            (p.name.as_str(), p.max_concurrency),
+                            (
+                                p.name.as_str(),
+                                p.max_concurrency,
+                                [r.opts.ttft_ttl, r.opts.tps_ttl],
+                            ),
                         )
                     })
                 })
@@ -99,28 +111,24 @@ pub fn render(path: &Path, config: Option<&Config>) -> std::io::Result<Status> {
         } else {
             "-".into()
         };
-        let ewma = |bits: usize, at: usize| {
-            let v = f64::from_bits(
-                seg.peer_cell(slot, bits)
-                    .load(std::sync::atomic::Ordering::Relaxed),
-            );
-            let sampled = seg
-                .peer_cell(slot, at)
-                .load(std::sync::atomic::Ordering::Relaxed)
-                != 0;
-            if sampled && v.is_finite() {
-                format!("{v:.1}")
-            } else {
-                "-".into()
-            }
-        };
-        let (name, max) = match configured.as_ref().map(|m| m.get(&key)) {
-            None => ("?".to_string(), "?".to_string()),
-            Some(Some((n, m))) => (n.to_string(), m.to_string()),
+        let (name, max, ttls) = match configured.as_ref().map(|m| m.get(&key)) {
+            None => ("?".to_string(), "?".to_string(), DEFAULT_EWMA_TTLS),
+            Some(Some((n, m, ttls))) => (n.to_string(), m.to_string(), *ttls),
             Some(None) => {
                 stale += 1;
-                ("(removed)".to_string(), "-".to_string())
+                ("(removed)".to_string(), "-".to_string(), DEFAULT_EWMA_TTLS)
             }
+        };
+        // An EWMA older than its route's TTL is shown as none, as `_health_status` does.
+        let ewma = |cells: (usize, usize), ttl_s: u64| match crate::measure::peer_ewma(
+            &seg,
+            slot,
+            cells,
+            now / 1000,
+            ttl_s,
+        ) {
+            Some(v) if v.is_finite() => format!("{v:.1}"),
+            _ => "-".into(),
         };
         let bans = seg
             .peer_cell(slot, peer::BANS)
@@ -134,8 +142,8 @@ pub fn render(path: &Path, config: Option<&Config>) -> std::io::Result<Status> {
             max,
             banned,
             bans,
-            ewma(peer::TTFT_EWMA_BITS, peer::TTFT_EWMA_AT_S),
-            ewma(peer::TPS_EWMA_BITS, peer::TPS_EWMA_AT_S),
+            ewma(crate::measure::PEER_TTFT, ttls[0]),
+            ewma(crate::measure::PEER_TPS, ttls[1]),
         );
     }
     if stale > 0 {

@@ -2261,3 +2261,46 @@ fn running_out_of_file_descriptors_bans_no_peer() {
         r.text()
     );
 }
+
+/// `warmroute status` shows a peer's TTFT EWMA only while it is younger than the route's
+/// `ttft_ttl`, as `_health_status` and `/metrics` do; it showed a value long expired.
+/// The control: the fresh value is shown.
+#[test]
+fn status_shows_no_expired_ewma() {
+    let d = temp_dir("status-ttl");
+    let m = mock_with("m0", |c| c.ttft_base_ms = 100);
+    std::fs::write(
+        d.0.join("routes/chat.toml"),
+        route_for(&[m.addr()], "ttft_ttl = 1\n"),
+    )
+    .unwrap();
+    let p = start_serve(&d.0);
+    let r = request(
+        p.public,
+        &post_json("/chat/v1/chat/completions", &chat_body("x", true), ""),
+    );
+    assert_eq!(r.status, 200);
+    let cfg = d.0.join("warmroute.toml");
+    let ttft = || {
+        let out = Command::new(BIN)
+            .args(["status", "--config"])
+            .arg(&cfg)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let row: Vec<String> = text
+            .lines()
+            .find(|l| l.contains(&format!("chat//{}", m.addr())))
+            .unwrap_or_else(|| panic!("peer row missing:\n{text}"))
+            .split_whitespace()
+            .map(String::from)
+            .collect();
+        row[row.len() - 2].clone()
+    };
+    let fresh: f64 = ttft()
+        .parse()
+        .expect("a TTFT value right after the request");
+    assert!((50.0..5000.0).contains(&fresh), "{fresh}");
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(ttft(), "-");
+}
