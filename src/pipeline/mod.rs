@@ -851,8 +851,13 @@ async fn proxy(
             let mut next = || {
                 fallback
                     .get_or_insert_with(|| {
-                        peer_select::fallback_order(&loads, first, opts.cross_tier_fallback)
-                            .into_iter()
+                        peer_select::fallback_order(
+                            &loads,
+                            first,
+                            opts.cross_tier_fallback,
+                            ctx.random(),
+                        )
+                        .into_iter()
                     })
                     .next()
                     .filter(|_| retries < opts.max_more_tries)

@@ -283,13 +283,16 @@ pub fn select(
 }
 
 /// Retry targets after `chosen` failed: the other healthy peers of its tier, least loaded
-/// first; with `cross_tier` also the least-loaded healthy peer of each lower tier.
-pub fn fallback_order(loads: &[Load], chosen: usize, cross_tier: bool) -> Vec<usize> {
+/// first, equally loaded ones in an order drawn from `random` (as least connections
+/// breaks ties; file order would send every retry to the same peer first); with
+/// `cross_tier` also the least-loaded healthy peer of each lower tier.
+pub fn fallback_order(loads: &[Load], chosen: usize, cross_tier: bool, random: u64) -> Vec<usize> {
     let tier = loads[chosen].priority;
     let mut same: Vec<usize> = (0..loads.len())
         .filter(|&i| i != chosen && loads[i].healthy && loads[i].priority == tier)
         .collect();
-    same.sort_by(|&a, &b| ratio_cmp(&loads[a], &loads[b]).then(a.cmp(&b)));
+    let tie = |i: usize| mix64(random ^ i as u64);
+    same.sort_by(|&a, &b| ratio_cmp(&loads[a], &loads[b]).then(tie(a).cmp(&tie(b))));
     if cross_tier {
         let mut lower: Vec<i32> = loads
             .iter()
@@ -299,7 +302,7 @@ pub fn fallback_order(loads: &[Load], chosen: usize, cross_tier: bool) -> Vec<us
         lower.sort_unstable_by(|a, b| b.cmp(a));
         lower.dedup();
         for p in lower {
-            if let Some(i) = least_conn_where(loads, 0, |_, l| l.healthy && l.priority == p) {
+            if let Some(i) = least_conn_where(loads, random, |_, l| l.healthy && l.priority == p) {
                 same.push(i);
             }
         }
@@ -668,7 +671,30 @@ mod tests {
         loads[3].healthy = false;
         loads[4].priority = -1;
         loads[5].priority = -2;
-        assert_eq!(fallback_order(&loads, 0, false), vec![1, 2]);
-        assert_eq!(fallback_order(&loads, 0, true), vec![1, 2, 4, 5]);
+        assert_eq!(fallback_order(&loads, 0, false, 7), vec![1, 2]);
+        assert_eq!(fallback_order(&loads, 0, true, 7), vec![1, 2, 4, 5]);
+    }
+
+    /// Equally loaded retry targets come in an order that varies with the draw, each first
+    /// about as often; the least loaded still always comes first.
+    #[test]
+    fn fallback_ties_are_broken_at_random() {
+        let loads = vec![l(0, 10), l(0, 10), l(0, 10), l(0, 10)];
+        let mut first = [0u32; 4];
+        for r in 0..4000u64 {
+            let order = fallback_order(&loads, 0, false, mix64(r));
+            assert_eq!(order.len(), 3);
+            first[order[0]] += 1;
+        }
+        assert_eq!(first[0], 0);
+        for n in &first[1..] {
+            assert!((1100..1600).contains(n), "{first:?}");
+        }
+        let mut busy = loads.clone();
+        busy[2].inflight = 5;
+        busy[3].inflight = 1;
+        for r in 0..100u64 {
+            assert_eq!(fallback_order(&busy, 0, false, r), vec![1, 3, 2]);
+        }
     }
 }
