@@ -451,6 +451,14 @@ fn route_state_shows_the_adaptive_limit_in_force_and_the_static_one() {
     );
     assert_eq!(r.status, 429, "{}", r.text());
     assert_eq!(r.json()["error"]["limit"], 3);
+    // The adaptive limit says so, with the static limit it moves under.
+    assert_eq!(
+        (
+            &r.json()["error"]["adaptive_cc"],
+            &r.json()["error"]["pool_limit"]
+        ),
+        (&json!(true), &json!(8))
+    );
     assert!(r.json()["error"]["avg_5min"].is_number(), "{}", r.text());
     let st = request(env.public(), &get("/r/_route_state")).json();
     assert_eq!(

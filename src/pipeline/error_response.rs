@@ -50,9 +50,14 @@ pub enum ProxyError {
     },
     /// The gate's figures, and with session turn priority on the request's turn bucket
     /// (its index in `_session_status`'s table and its first turn), its share, and the
-    /// ceiling the gate applied to it (`⌈limit × rt_factor × share⌉`). Kept out of
+    /// ceiling the gate applied to it (`⌈limit × rt_factor × share⌉`); and, when the limit
+    /// was the adaptive one, the static pool limit it moves under. Kept out of
     /// [`ConcurrencyFigures`], which every request builds.
-    ConcurrencyLimit(ConcurrencyFigures, Option<(usize, u64, f64, f64)>),
+    ConcurrencyLimit(
+        ConcurrencyFigures,
+        Option<(usize, u64, f64, f64)>,
+        Option<f64>,
+    ),
     RejectedByRule {
         rule: String,
         message: String,
@@ -256,7 +261,7 @@ impl ProxyError {
                 err.insert("model".into(), json!(model));
                 err.insert("supported_models".into(), json!(supported));
             }
-            ProxyError::ConcurrencyLimit(f, prio) => {
+            ProxyError::ConcurrencyLimit(f, prio, adaptive) => {
                 err.insert(
                     "trigger".into(),
                     json!(format!("realtime_{}x", f.rt_factor)),
@@ -267,6 +272,10 @@ impl ProxyError {
                 err.insert("healthy_peers".into(), json!(f.healthy_peers));
                 err.insert("active_level".into(), json!(f.active_level));
                 err.insert("avg_5min".into(), json!(round1(f.avg_5min)));
+                err.insert("adaptive_cc".into(), json!(adaptive.is_some()));
+                if let Some(pool_limit) = *adaptive {
+                    err.insert("pool_limit".into(), limit_json(pool_limit));
+                }
                 if let Some((bucket, min_turn, share, ceiling)) = *prio {
                     err.insert("turn_bucket".into(), json!(bucket));
                     err.insert("bucket_min_turn".into(), json!(min_turn));
@@ -286,10 +295,12 @@ fn round1(v: f64) -> f64 {
 }
 
 /// A limit as JSON: an integer when it is one (static limits), else the fraction the
-/// adaptive controller holds.
+/// adaptive controller holds, to two decimals.
 pub fn limit_json(v: f64) -> Value {
     if v.fract() == 0.0 && v >= 0.0 && v < u64::MAX as f64 {
         json!(v as u64)
+    } else if v.is_finite() {
+        json!((v * 100.0).round() / 100.0)
     } else {
         json!(v)
     }
@@ -377,6 +388,15 @@ pub fn text_response(status: u16, body: &str, close: bool) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Static limits are integers; the adaptive controller's fractions are shown to two
+    /// decimals (a 429 showed `11.061361903423922`).
+    #[test]
+    fn limits_are_integers_or_two_decimals() {
+        assert_eq!(limit_json(8.0), json!(8));
+        assert_eq!(limit_json(11.061361903423922), json!(11.06));
+        assert_eq!(limit_json(0.5), json!(0.5));
+    }
 
     #[test]
     fn shapes() {

@@ -635,7 +635,8 @@ async fn proxy(
     if upstream_path != "/v1/models" {
         let ctl_cell = |i| control::pool_state::ctl_cell(seg, pool.slots.ctl, i);
         let rate_on = latency::rate_limit_on(opts, pool, seg);
-        fig.limit = latency::concurrency_limit(opts, pool, seg, now_s, fig.limit);
+        let pool_limit = fig.limit;
+        fig.limit = latency::concurrency_limit(opts, pool, seg, now_s, pool_limit);
         // Session turn priority, when on: the request's turn bucket grades the gates.
         let prio = Some(route.prio_slot)
             .filter(|&slot| control::prio_state::enabled(seg, slot, opts))
@@ -677,7 +678,9 @@ async fn proxy(
                     let ceiling = control::session_prio::ceiling(fig.limit, fig.rt_factor, share);
                     (*b, table[*b].min_turn, share, ceiling)
                 });
-                shed = Some(ProxyError::ConcurrencyLimit(fig, graded));
+                let adaptive =
+                    latency::adaptive_in_force(opts, pool, seg, now_s).then_some(pool_limit);
+                shed = Some(ProxyError::ConcurrencyLimit(fig, graded, adaptive));
             } else {
                 latency::count_trip(seg, pool, "concurrency");
             }
