@@ -55,7 +55,7 @@ pub enum ProxyError {
     /// [`ConcurrencyFigures`], which every request builds.
     ConcurrencyLimit(
         ConcurrencyFigures,
-        Option<(usize, u64, f64, f64)>,
+        Option<Box<(usize, u64, f64, f64)>>,
         Option<f64>,
     ),
     RejectedByRule {
@@ -276,7 +276,7 @@ impl ProxyError {
                 if let Some(pool_limit) = *adaptive {
                     err.insert("pool_limit".into(), limit_json(pool_limit));
                 }
-                if let Some((bucket, min_turn, share, ceiling)) = *prio {
+                if let Some(&(bucket, min_turn, share, ceiling)) = prio.as_deref() {
                     err.insert("turn_bucket".into(), json!(bucket));
                     err.insert("bucket_min_turn".into(), json!(min_turn));
                     err.insert("share".into(), json!(share));

@@ -676,7 +676,7 @@ async fn proxy(
                 let graded = prio.as_ref().map(|(_, table, b)| {
                     let share = table[*b].share;
                     let ceiling = control::session_prio::ceiling(fig.limit, fig.rt_factor, share);
-                    (*b, table[*b].min_turn, share, ceiling)
+                    Box::new((*b, table[*b].min_turn, share, ceiling))
                 });
                 let adaptive =
                     latency::adaptive_in_force(opts, pool, seg, now_s).then_some(pool_limit);
