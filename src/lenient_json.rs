@@ -1,15 +1,18 @@
 //! Reading request bodies that are JSON but that `serde_json` refuses.
 //!
-//! Three things in a JSON text (RFC 8259) stop `serde_json::from_slice`: a number too large
+//! Some texts that engines read as JSON stop `serde_json::from_slice`: a number too large
 //! for an `f64` (`1e999`), a `\u` escape of a lone surrogate (`"\ud800"`, which a client
-//! that cuts a string in the middle of an emoji sends), and nesting deeper than its
-//! recursion limit (128). The engines behind the router read such bodies (Python's `json`
-//! takes all three), so a content rule that skipped them could be passed by adding one
-//! field. [`parse`] reads them: a number too large becomes the largest finite `f64` of its
-//! sign, a lone surrogate becomes U+FFFD, and a container nested deeper than
-//! [`MAX_DEPTH`] becomes `null` (no rule path reaches that deep). Only the copy that is
-//! parsed is changed, never what is forwarded. The repair runs only after `serde_json`
-//! has refused a body, so well-formed bodies cost nothing more.
+//! that cuts a string in the middle of an emoji sends), nesting deeper than its recursion
+//! limit (128), Python's `NaN`, `Infinity` and `-Infinity`, and a leading UTF-8 byte-order
+//! mark. The engines behind the router read such bodies (Python's `json.loads` takes them
+//! all), so a content rule that skipped them could be passed by adding one field.
+//! [`parse`] reads them: a number too large or an infinity becomes the largest finite
+//! `f64` of its sign, `NaN` becomes `null`, a lone surrogate becomes U+FFFD, a container
+//! nested deeper than [`MAX_DEPTH`] becomes `null` (no rule path reaches that deep), and
+//! the byte-order mark is dropped. Only the copy that is parsed is changed, never what is
+//! forwarded. The repair runs only after `serde_json` has refused a body that starts as
+//! an object or array, so well-formed bodies, and bodies that are not JSON at all, cost
+//! nothing more.
 
 use serde_json::Value;
 
@@ -21,9 +24,27 @@ pub const MAX_DEPTH: usize = 100;
 pub fn parse(body: &[u8]) -> Option<Value> {
     match serde_json::from_slice(body) {
         Ok(v) => Some(v),
-        Err(_) => serde_json::from_slice(&repaired(body)?).ok(),
+        Err(_) => {
+            let text = body.strip_prefix(BOM).unwrap_or(body);
+            let first = text.iter().find(|b| !b.is_ascii_whitespace())?;
+            if !matches!(first, b'{' | b'[') {
+                return None;
+            }
+            match repaired(text) {
+                Some(fixed) => serde_json::from_slice(&fixed).ok(),
+                // Only the byte-order mark was in the way.
+                None if text.len() < body.len() => serde_json::from_slice(text).ok(),
+                None => None,
+            }
+        }
     }
 }
+
+/// A UTF-8 byte-order mark.
+const BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// The largest finite `f64`, as JSON, by sign.
+const MAX: [&str; 2] = ["1.7976931348623157e308", "-1.7976931348623157e308"];
 
 /// A copy of `body` with the three repairs made, or `None` when there was nothing to
 /// repair (or a container deeper than [`MAX_DEPTH`] never closes). Iterative, one pass.
@@ -55,6 +76,21 @@ fn repaired(body: &[u8]) -> Option<Vec<u8>> {
                 out.push(b);
                 i += 1;
             }
+            b'N' if body[i..].starts_with(b"NaN") => {
+                out.extend_from_slice(b"null");
+                changed = true;
+                i += 3;
+            }
+            b'I' if body[i..].starts_with(b"Infinity") => {
+                out.extend_from_slice(MAX[0].as_bytes());
+                changed = true;
+                i += 8;
+            }
+            b'-' if body[i..].starts_with(b"-Infinity") => {
+                out.extend_from_slice(MAX[1].as_bytes());
+                changed = true;
+                i += 9;
+            }
             b'-' | b'0'..=b'9' => {
                 let start = i;
                 while i < body.len()
@@ -68,12 +104,7 @@ fn repaired(body: &[u8]) -> Option<Vec<u8>> {
                     .and_then(|t| t.parse::<f64>().ok())
                     .is_some_and(f64::is_infinite);
                 if too_large {
-                    let max = if token[0] == b'-' {
-                        "-1.7976931348623157e308"
-                    } else {
-                        "1.7976931348623157e308"
-                    };
-                    out.extend_from_slice(max.as_bytes());
+                    out.extend_from_slice(MAX[usize::from(token[0] == b'-')].as_bytes());
                     changed = true;
                 } else {
                     out.extend_from_slice(token);
@@ -199,6 +230,12 @@ mod tests {
                 r#"{"model":"m","pad":"\udc00\ud83d"}"#,
                 json!({"model":"m","pad":"\u{fffd}\u{fffd}"}),
             ),
+            (
+                r#"{"model":"m","pad":[NaN, Infinity, -Infinity, "NaN"]}"#,
+                json!({"model":"m","pad":[null, f64::MAX, f64::MIN, "NaN"]}),
+            ),
+            ("\u{feff}{\"model\":\"m\"}", json!({"model":"m"})),
+            ("\u{feff} [1e999]", json!([f64::MAX])),
             // A valid pair next to a lone one: the pair is kept.
             (
                 r#"{"model":"m","pad":"\ud83d\ude00\ud800"}"#,
@@ -279,6 +316,9 @@ mod tests {
             b"{\"a\":\"\\ud800}",
             b"\xff\xfe",
             b"",
+            b"NaN",
+            b"\xEF\xBB\xBF\"x\"",
+            b"  Infinity",
         ] {
             assert_eq!(parse(raw), None, "{}", String::from_utf8_lossy(raw));
         }

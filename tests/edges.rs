@@ -180,8 +180,9 @@ fn reject_rules_reject_with_their_status_and_count_hits() {
     }
 }
 
-/// A body that is JSON but that serde_json refuses (a number too large for an f64, a lone
-/// surrogate escape, nesting deeper than 128) is still evaluated: one such extra field
+/// A body that is JSON to the engine but that serde_json refuses (a number too large for
+/// an f64, a lone surrogate escape, nesting deeper than 128, Python's NaN and infinities,
+/// a byte-order mark) is still evaluated: one such extra field
 /// used to let a request past every rule. The control: each body without the matching
 /// field passes.
 #[test]
@@ -198,7 +199,13 @@ fn rules_see_json_that_serde_json_refuses() {
     );
     let env = start(&[("r", route_for(&[b.addr], &rules))], "");
     let deep = format!("{}1{}", "[".repeat(200), "]".repeat(200));
-    for pad in ["1e999", r#""cut \ud83d""#, deep.as_str()] {
+    for pad in [
+        "1e999",
+        r#""cut \ud83d""#,
+        deep.as_str(),
+        "NaN",
+        "-Infinity",
+    ] {
         for (model, status) in [("banned-model", 422), ("m", 200)] {
             let body = format!(
                 r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}],"pad":{pad}}}"#
@@ -218,6 +225,12 @@ fn rules_see_json_that_serde_json_refuses() {
             }
         }
     }
+    let bom = format!(
+        "\u{feff}{}",
+        r#"{"model":"banned-model","messages":[{"role":"user","content":"x"}]}"#
+    );
+    let r = request(env.public(), &post_json("/r/v1/chat/completions", &bom, ""));
+    assert_eq!(r.status, 422, "a byte-order mark in front");
     // A body too large is refused by `input_bytes` whatever else it holds.
     let big = format!(
         r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}],"pad":"\udc00"}}"#,

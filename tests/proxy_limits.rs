@@ -105,6 +105,10 @@ fn framing_conflicts_are_400_and_oversize_heads_431() {
         (b"BLAH\r\n\r\n".to_vec(), 400),
         (b"GET /r/v1/models HTTP/2.0\r\nHost: t\r\n\r\n".to_vec(), 505),
         (b"GET /r/v1/models HTTP/1.2\r\nHost: t\r\n\r\n".to_vec(), 505),
+        // httparse calls these version errors too; they are malformed request lines.
+        (b"GET /r/v1/a b HTTP/1.1\r\nHost: t\r\n\r\n".to_vec(), 400),
+        (b"GET /r/v1/models http/1.1\r\nHost: t\r\n\r\n".to_vec(), 400),
+        (b"GET /r/v1/models HTTP/1!\r\nHost: t\r\n\r\n".to_vec(), 400),
         (b"GET /r/v1/models HTTP/1.1\r\nHost: a b\r\n\r\n".to_vec(), 400),
         (b"GET /r/v1/models HTTP/1.1\r\nHost: evil/x\r\n\r\n".to_vec(), 400),
         (format!("GET /r/v1/x HTTP/1.1\r\nHost: t\r\nX-Big: {}\r\n\r\n", "a".repeat(70 * 1024)).into_bytes(), 431),

@@ -632,6 +632,25 @@ fn absolute_form_path(target: &str) -> Option<&str> {
 }
 
 /// Parse a request head from the start of `buf`.
+/// What httparse's version error means: 505 for a well-formed request line naming another
+/// version (`GET / HTTP/2.0`), 400 for anything else it also reports so (`GET /a b
+/// HTTP/1.1`, a lower-case `http/1.1`).
+fn version_error(buf: &[u8]) -> HeadError {
+    let line = buf.split(|&b| b == b'\n').next().unwrap_or_default();
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    let mut parts = line.split(|&b| b == b' ');
+    let well_formed = matches!(
+        (parts.next(), parts.next(), parts.next(), parts.next()),
+        (Some(m), Some(t), Some([b'H', b'T', b'T', b'P', b'/', major, b'.', minor]), None)
+            if !m.is_empty() && !t.is_empty() && major.is_ascii_digit() && minor.is_ascii_digit()
+    );
+    if well_formed {
+        HeadError::UnsupportedVersion
+    } else {
+        HeadError::Malformed("malformed request line")
+    }
+}
+
 pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
     // Left uninitialised: httparse writes the headers it finds, and filling all 100 slots
     // first would cost more than parsing a usual head.
@@ -641,7 +660,7 @@ pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
     let status = match req.parse_with_uninit_headers(buf, &mut storage) {
         Ok(s) => s,
         Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooManyHeaders),
-        Err(httparse::Error::Version) => return Err(HeadError::UnsupportedVersion),
+        Err(httparse::Error::Version) => return Err(version_error(buf)),
         Err(_) => return Err(HeadError::Malformed("malformed request head")),
     };
     let len = match status {

@@ -893,8 +893,18 @@ async fn proxy(
                 Ok(ex) => {
                     // A session a retry moved lives on the peer that served it now: its
                     // next turn goes there, to the prefix this turn left in that cache.
-                    if let (true, Some((k, _))) = (retries > 0, placement) {
-                        pool.place_session(seg, k, idx, now_s);
+                    // Not for a one-off overflow (`HashFallback`: its own peer was full,
+                    // not gone) nor onto a peer whose 502/503 is relayed as the last answer.
+                    // (Looked up again here rather than kept across the awaits above,
+                    // which would grow every request's future.)
+                    if retries > 0
+                        && mode != PeerChoice::HashFallback(0).mode()
+                        && !matches!(ex.head.status, 502 | 503)
+                    {
+                        let sid_bytes = sid.as_ref().map(|s| session_id::hash_bytes(&s.id));
+                        if let Some((k, _)) = pool.placement(seg, algo, sid_bytes, now_s) {
+                            pool.place_session(seg, k, idx, now_s);
+                        }
                     }
                     outcome = Some(Ok((
                         ex,
