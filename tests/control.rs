@@ -434,6 +434,13 @@ fn route_state_shows_the_adaptive_limit_in_force_and_the_static_one() {
         (&json!(8), &json!(false)),
         "{st}"
     );
+    // Decided by the configuration: a runtime threshold override does not turn it on.
+    request(env.public(), &get("/nosignal/_tps_limit?limit=5"));
+    let st = request(env.public(), &get("/nosignal/_route_state")).json();
+    assert_eq!(
+        (&st["limit"], &st["adaptive_cc_in_force"]),
+        (&json!(8), &json!(false))
+    );
     let st = request(env.public(), &get("/r/_route_state")).json();
     assert_eq!(st["limit"], 3, "the adaptive limit: {st}");
     assert_eq!(st["adaptive_cc_in_force"], true, "{st}");
@@ -474,12 +481,20 @@ fn route_state_shows_the_adaptive_limit_in_force_and_the_static_one() {
         (st["limit"].clone(), st["adaptive_cc_in_force"].clone())
     };
     assert_eq!(limit("0"), (json!(8), json!(false)));
+    let tps = request(env.public(), &get("/r/_tps_status")).json()["pools"]["_"].clone();
+    assert_eq!(
+        (&tps["adaptive_cc_in_force"], &tps["adaptive_cc_limit"]),
+        (&json!(false), &serde_json::Value::Null),
+        "{tps}"
+    );
     let r = request(
         env.public(),
         &post_json("/r/v1/chat/completions", &chat_body("x", false), ""),
     );
     assert_eq!(r.status, 200, "a fourth request fits the static limit");
     assert_eq!(limit("1"), (json!(3), json!(true)));
+    let tps = request(env.public(), &get("/r/_tps_status")).json()["pools"]["_"].clone();
+    assert_eq!(tps["adaptive_cc_limit"], 3.0, "{tps}");
     for h in held {
         assert_eq!(h.join().unwrap().status, 200);
     }

@@ -60,8 +60,16 @@ fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
                 conc,
                 smax,
             );
+            // The limit the gate applies now (the healthy capacity caps it), or none when
+            // adaptive concurrency is not in force (`latency::adaptive_in_force`).
+            let in_force = latency::adaptive_in_force(opts, p, seg);
+            let loads = p.loads(seg, warmroute_shm::now_ms());
+            let capacity =
+                crate::pipeline::admission::figures(&loads, 1.0).map_or(0.0, |f| f.limit);
+            v["adaptive_cc_in_force"] = json!(in_force);
             v["adaptive_cc"] = json!(cur);
-            v["adaptive_cc_limit"] = json!(aimd::gate_limit(&pr, cur, smax, smax));
+            v["adaptive_cc_limit"] =
+                json!(in_force.then(|| latency::concurrency_limit(opts, p, seg, now_s, capacity)));
             v["adaptive_cc_min"] = json!(aimd::floor(&pr, smax));
             v["adaptive_cc_max"] = json!(smax);
             v["adaptive_cc_init"] = json!(aimd::start(&pr, smax));

@@ -293,7 +293,7 @@ fn tier_json(seg: &Segment, opts: &crate::config::RouteOpts, pool: &PoolRt, now:
         "pool_limit": crate::pipeline::error_response::limit_json(pool_limit),
         "adaptive_cc": opts.adaptive_cc,
         // Whether `limit` is the adaptive value now (`latency::adaptive_in_force`).
-        "adaptive_cc_in_force": crate::control::latency::adaptive_in_force(opts, pool, seg, now / 1000),
+        "adaptive_cc_in_force": crate::control::latency::adaptive_in_force(opts, pool, seg),
         "inflight": loads.iter().map(|l| l.inflight).sum::<i64>(),
         "healthy_peers_in_level": fig.map_or(0, |f| f.healthy_peers),
         "by_priority": tiers,

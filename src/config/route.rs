@@ -714,10 +714,19 @@ impl RouteOpts {
                 );
             }
         }
-        if self.adaptive_cc && self.tps_limit_tps.is_none() && self.tps_metrics.is_empty() {
+        let route_tps = self.tps_limit_tps.is_some()
+            || self
+                .tps_metrics
+                .first()
+                .is_some_and(|m| m.threshold.is_some());
+        if self.adaptive_cc && !route_tps {
             d.warn(
                 "adaptive_cc",
-                "without tps_limit_tps or tps_metrics adaptive concurrency has no decode rate signal to steer by and is off: the static limit applies",
+                if self.tps_limit_by_model.is_empty() {
+                    "without a decode rate threshold (tps_limit_tps, or a threshold in the first tps_metrics entry) adaptive concurrency has nothing to steer by and is off: the static limit applies"
+                } else {
+                    "only the sub-pools tps_limit_by_model names have a decode rate threshold: the others have no adaptive concurrency and keep the static limit"
+                },
             );
         }
     }

@@ -307,7 +307,7 @@ pub fn concurrency_limit(
     now_s: u64,
     pool_limit: f64,
 ) -> f64 {
-    if !adaptive_in_force(opts, pool, seg, now_s) {
+    if !adaptive_in_force(opts, pool, seg) {
         return pool_limit;
     }
     aimd::gate_limit(
@@ -319,14 +319,28 @@ pub fn concurrency_limit(
 }
 
 /// Whether the pool's limit is the adaptive one: `adaptive_cc` on, a decode-rate threshold
-/// to steer by (without one adaptive concurrency is off and the static limit applies,
-/// `reference/notes-control.md` §4.1), and the decode-rate signal not switched off at run
-/// time (`_tps_toggle?on=0` puts the static pool limit back at once, as the reference's
-/// does; on again, the stored adaptive value applies again).
-pub fn adaptive_in_force(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) -> bool {
-    opts.adaptive_cc
-        && !ps::gate_off(seg, pool.slots.tps)
-        && threshold(opts, Signal::Tps, pool, seg, now_s).is_some()
+/// configured to steer by (without one adaptive concurrency is off and the static limit
+/// applies, `reference/notes-control.md` §4.1; decided by the configuration, as the
+/// reference decides it at registration, so a runtime `_tps_limit` override does not turn
+/// it on or off), and the decode-rate signal not switched off at run time
+/// (`_tps_toggle?on=0` puts the static pool limit back at once, as the reference's does;
+/// on again, the stored adaptive value applies again).
+pub fn adaptive_in_force(opts: &RouteOpts, pool: &PoolRt, seg: &Segment) -> bool {
+    opts.adaptive_cc && tps_configured(opts, pool) && !ps::gate_off(seg, pool.slots.tps)
+}
+
+/// Whether the configuration gives the pool a decode-rate threshold: the first
+/// `tps_metrics` entry's, its model's `tps_limit_by_model`, or `tps_limit_tps`.
+pub fn tps_configured(opts: &RouteOpts, pool: &PoolRt) -> bool {
+    opts.tps_limit_tps.is_some()
+        || opts
+            .tps_metrics
+            .first()
+            .is_some_and(|m| m.threshold.is_some())
+        || pool
+            .model
+            .as_deref()
+            .is_some_and(|m| opts.tps_limit_by_model.contains_key(m))
 }
 
 /// One tick of the elected worker for one pool: fold closed windows, step the adaptive
@@ -345,7 +359,7 @@ pub fn tick(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) {
         ps::store_window_state(seg, slot, ewma::advance_merged(st, &cfg.ewma, now_s, v));
     }
     let c = |i| ps::ctl_cell(seg, pool.slots.ctl, i);
-    if adaptive_in_force(opts, pool, seg, now_s)
+    if adaptive_in_force(opts, pool, seg)
         && now_s >= c(ctl::AIMD_TICK_S).load(Relaxed) + opts.adaptive_cc_interval.max(1)
     {
         c(ctl::AIMD_TICK_S).store(now_s, Relaxed);

@@ -678,8 +678,7 @@ async fn proxy(
                     let ceiling = control::session_prio::ceiling(fig.limit, fig.rt_factor, share);
                     Box::new((*b, table[*b].min_turn, share, ceiling))
                 });
-                let adaptive =
-                    latency::adaptive_in_force(opts, pool, seg, now_s).then_some(pool_limit);
+                let adaptive = latency::adaptive_in_force(opts, pool, seg).then_some(pool_limit);
                 shed = Some(ProxyError::ConcurrencyLimit(fig, graded, adaptive));
             } else {
                 latency::count_trip(seg, pool, "concurrency");
