@@ -2271,7 +2271,7 @@ fn status_shows_no_expired_ewma() {
     let m = mock_with("m0", |c| c.ttft_base_ms = 100);
     std::fs::write(
         d.0.join("routes/chat.toml"),
-        route_for(&[m.addr()], "ttft_ttl = 1\n"),
+        route_for(&[m.addr()], "ttft_ttl = 2\n"),
     )
     .unwrap();
     let p = start_serve(&d.0);
@@ -2297,10 +2297,14 @@ fn status_shows_no_expired_ewma() {
             .collect();
         row[row.len() - 2].clone()
     };
-    let fresh: f64 = ttft()
-        .parse()
-        .expect("a TTFT value right after the request");
+    // The sample is recorded a moment after the client has its last byte.
+    eventually(
+        Duration::from_secs(2),
+        "a TTFT value after the request",
+        || ttft() != "-",
+    );
+    let fresh: f64 = ttft().parse().unwrap();
     assert!((50.0..5000.0).contains(&fresh), "{fresh}");
-    std::thread::sleep(Duration::from_millis(2500));
+    std::thread::sleep(Duration::from_millis(3500));
     assert_eq!(ttft(), "-");
 }

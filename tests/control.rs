@@ -464,7 +464,7 @@ fn route_state_shows_the_adaptive_limit_in_force_and_the_static_one() {
             &r.json()["error"]["adaptive_cc"],
             &r.json()["error"]["pool_limit"]
         ),
-        (&json!(true), &json!(8))
+        (&json!(3), &json!(8))
     );
     assert!(r.json()["error"]["avg_5min"].is_number(), "{}", r.text());
     let st = request(env.public(), &get("/r/_route_state")).json();

@@ -865,7 +865,7 @@ fn peer_ewmas_in_metrics_expire_with_the_routes_ttl() {
         c.ttft_base_ms = 100;
         c.decode_tps = 100.0;
     });
-    let route = route_for(&[m.addr()], "ttft_ttl = 1\ntps_ttl = 1\n");
+    let route = route_for(&[m.addr()], "ttft_ttl = 2\ntps_ttl = 2\n");
     let env = start(&[("r", route)], "");
     // 80 tokens at 100 tokens/s: long enough a decode to be measured.
     let body = serde_json::json!({"model": "m", "stream": true, "max_tokens": 80, "messages": [{"role": "user", "content": "go"}]});
@@ -886,8 +886,11 @@ fn peer_ewmas_in_metrics_expire_with_the_routes_ttl() {
             has("warmroute_peer_decode_rate_ewma"),
         )
     };
-    assert_eq!(both(), (true, true));
-    std::thread::sleep(Duration::from_millis(2500));
+    // The samples are recorded a moment after the client has its last byte.
+    eventually(Duration::from_secs(2), "both EWMAs shown", || {
+        both() == (true, true)
+    });
+    std::thread::sleep(Duration::from_millis(3500));
     assert_eq!(both(), (false, false));
     let hs = request(env.public(), &get("/r/_health_status")).json();
     assert!(hs[m.addr().to_string()]["ttft_ewma_ms"].is_null(), "{hs}");

@@ -31,12 +31,13 @@ pub enum ProbeOutcome {
 }
 
 /// Whether a failed connect is this host's failure rather than the peer's: out of file
-/// descriptors, memory or buffers, or of local ports. Neither a probe nor a proxied request
-/// bans a peer for one (every peer would be banned by a brief descriptor spike).
+/// descriptors, memory or buffers. Neither a probe nor a proxied request bans a peer for
+/// one (every peer would be banned by a brief descriptor spike). `EADDRNOTAVAIL` is not
+/// among them: it also means a peer address this host cannot use at all.
 pub fn local_connect_error(e: &io::Error) -> bool {
     matches!(
         e.raw_os_error(),
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM | libc::EADDRNOTAVAIL)
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
     )
 }
 
@@ -103,8 +104,22 @@ pub async fn probe(
     connect_timeout: Duration,
     timeout: Duration,
 ) -> ProbeOutcome {
-    let work = probe_inner(peer, path, key, connect_timeout.min(timeout));
-    match monoio::time::timeout(timeout, work).await {
+    // The connect on its own clock (a connect that never completes is a failure, never
+    // "busy"), then the rest of the probe in what is left of `timeout`.
+    let t0 = Instant::now();
+    let connect = TcpStream::connect_addr(peer.addr);
+    let s = match monoio::time::timeout(connect_timeout.min(timeout), connect).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) if local_connect_error(&e) => {
+            // Once per peer and round while descriptors are short; the accept loop's
+            // warning says so for the whole process.
+            tracing::debug!(peer = %peer.name, addr = %peer.addr, error = %e, "health probe could not open a connection on this host; the peer's state is left as it was");
+            return ProbeOutcome::LocalError;
+        }
+        Ok(Err(_)) | Err(_) => return ProbeOutcome::ConnectFailed,
+    };
+    let rest = timeout.saturating_sub(t0.elapsed());
+    match monoio::time::timeout(rest, probe_inner(s, peer, path, key)).await {
         Err(_) => ProbeOutcome::Timeout,
         Ok(Ok(o)) => o,
         Ok(Err(_)) => ProbeOutcome::Broken,
@@ -112,20 +127,11 @@ pub async fn probe(
 }
 
 async fn probe_inner(
+    mut s: TcpStream,
     peer: &PeerRt,
     path: &str,
     key: Option<&str>,
-    connect_timeout: Duration,
 ) -> io::Result<ProbeOutcome> {
-    let connect = TcpStream::connect_addr(peer.addr);
-    let mut s = match monoio::time::timeout(connect_timeout, connect).await {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) if local_connect_error(&e) => {
-            tracing::warn!(peer = %peer.name, addr = %peer.addr, error = %e, "health probe could not open a connection on this host; the peer's state is left as it was");
-            return Ok(ProbeOutcome::LocalError);
-        }
-        Ok(Err(_)) | Err(_) => return Ok(ProbeOutcome::ConnectFailed),
-    };
     let _ = s.set_nodelay(true);
     let auth = key.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
     let req = format!("GET {path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: warmroute-health\r\n{auth}Connection: close\r\n\r\n", peer.host_header);

@@ -272,8 +272,10 @@ impl ProxyError {
                 err.insert("healthy_peers".into(), json!(f.healthy_peers));
                 err.insert("active_level".into(), json!(f.active_level));
                 err.insert("avg_5min".into(), json!(round1(f.avg_5min)));
-                err.insert("adaptive_cc".into(), json!(adaptive.is_some()));
+                // As the reference names them: the adaptive limit in force, and the static
+                // pool limit it moves under (only when the limit is the adaptive one).
                 if let Some(pool_limit) = *adaptive {
+                    err.insert("adaptive_cc".into(), limit_json(f.limit));
                     err.insert("pool_limit".into(), limit_json(pool_limit));
                 }
                 if let Some(&(bucket, min_turn, share, ceiling)) = prio.as_deref() {
