@@ -300,6 +300,7 @@ pub fn aimd_current(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) 
 
 /// The concurrency limit the gate applies: the adaptive one (within the pool's healthy
 /// capacity) when adaptive concurrency is on, else the pool's healthy capacity.
+#[inline]
 pub fn concurrency_limit(
     opts: &RouteOpts,
     pool: &PoolRt,
@@ -307,7 +308,9 @@ pub fn concurrency_limit(
     now_s: u64,
     pool_limit: f64,
 ) -> f64 {
-    if !adaptive_in_force(opts, pool, seg) {
+    // The usual route has no adaptive concurrency: decided here, before anything else is
+    // looked at (this runs for every request).
+    if !opts.adaptive_cc || !adaptive_in_force(opts, pool, seg) {
         return pool_limit;
     }
     aimd::gate_limit(

@@ -635,6 +635,7 @@ fn absolute_form_path(target: &str) -> Option<&str> {
 /// What httparse's version error means: 505 for a well-formed request line naming another
 /// version (`GET / HTTP/2.0`), 400 for anything else it also reports so (`GET /a b
 /// HTTP/1.1`, a lower-case `http/1.1`).
+#[cold]
 fn version_error(buf: &[u8]) -> HeadError {
     let line = buf.split(|&b| b == b'\n').next().unwrap_or_default();
     let line = line.strip_suffix(b"\r").unwrap_or(line);
