@@ -62,6 +62,8 @@ fn ttft_shedding_probes_recovery_and_the_master_switch() {
     assert_eq!(e["type"], "ttft_limit_exceeded");
     assert_eq!(e["ttft_limit"], 200.0);
     assert!(e["ttft_ewma"].as_f64().unwrap() >= 200.0);
+    // The metric the gate judged, as the reference's body names it.
+    assert_eq!(e["metric"], "avg");
     assert!(
         e["avg_5min"].is_number(),
         "the cluster average (SPEC §5.5): {e}"

@@ -68,7 +68,9 @@ pub enum ProxyError {
         gate: &'static str,
         ewma: f64,
         threshold: f64,
-        model: Option<String>,
+        /// The pool's (or the request's) model and the gate's metric name (`p90`, `avg`),
+        /// boxed: only a refusal builds them.
+        names: Box<(Option<String>, String)>,
         healthy_peers: usize,
         active_level: i32,
         /// The pool's 5-minute sampled in-flight average (SPEC §5.5).
@@ -244,11 +246,12 @@ impl ProxyError {
                 gate,
                 ewma,
                 threshold,
-                model,
+                names,
                 healthy_peers,
                 active_level,
                 avg_5min,
             } => {
+                let (model, metric) = &**names;
                 err.insert("trigger".into(), json!(format!("{gate}_ewma")));
                 err.insert(format!("{gate}_ewma"), json!((ewma * 10.0).round() / 10.0));
                 err.insert(format!("{gate}_limit"), json!(threshold));
@@ -256,6 +259,7 @@ impl ProxyError {
                 err.insert("healthy_peers".into(), json!(healthy_peers));
                 err.insert("active_level".into(), json!(active_level));
                 err.insert("avg_5min".into(), json!(round1(*avg_5min)));
+                err.insert("metric".into(), json!(metric));
             }
             ProxyError::ModelNotSupported { model, supported } => {
                 err.insert("model".into(), json!(model));

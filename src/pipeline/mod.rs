@@ -713,7 +713,10 @@ async fn proxy(
                         gate: sig.name(),
                         ewma,
                         threshold,
-                        model: pool.model.clone().or_else(|| model.map(String::from)),
+                        names: Box::new((
+                            pool.model.clone().or_else(|| model.map(String::from)),
+                            latency::signal_cfg(opts, sig).metric,
+                        )),
                         healthy_peers: fig.healthy_peers,
                         active_level: fig.active_level,
                         avg_5min: latency::cluster_avg(pool, seg, now_s).0,
