@@ -797,6 +797,9 @@ async fn proxy(
         let mut outcome = None;
         let mut fallback: Option<std::vec::IntoIter<usize>> = None;
         let mut idx = first;
+        // Whether an earlier attempt failed on its peer's side (a 502/503, or a connect
+        // this host could make): only then has a retry moved the session.
+        let mut peer_failed = false;
         let mut buf = ctx.take_buf();
         let mut req_buf = ctx.take_head_buf();
         // The client's body itself unless a transform changed it: no second owner (a clone
@@ -886,6 +889,7 @@ async fn proxy(
             };
             match res {
                 Ok(ex) if retry_5xx && next.is_some() => {
+                    peer_failed = true;
                     seg.peer_cell(peer.slot, cells::peer::FAILURES)
                         .fetch_add(1, Relaxed);
                     tracing::warn!(route = route.name(), peer = %peer.name, status = ex.head.status, "peer answered 5xx; trying another peer");
@@ -895,11 +899,13 @@ async fn proxy(
                 Ok(ex) => {
                     // A session a retry moved lives on the peer that served it now: its
                     // next turn goes there, to the prefix this turn left in that cache.
-                    // Not for a one-off overflow (`HashFallback`: its own peer was full,
-                    // not gone) nor onto a peer whose 502/503 is relayed as the last answer.
+                    // Only after a failure of a peer's own (not this host's, out of
+                    // descriptors); not for a one-off overflow (`HashFallback`: its own peer
+                    // was full, not gone); not onto a peer whose 502/503 is relayed as the
+                    // last answer.
                     // (Looked up again here rather than kept across the awaits above,
                     // which would grow every request's future.)
-                    if retries > 0
+                    if peer_failed
                         && mode != PeerChoice::HashFallback(0).mode()
                         && !matches!(ex.head.status, 502 | 503)
                     {
@@ -931,6 +937,7 @@ async fn proxy(
                     // not the peer's failure: it is tried elsewhere, but nobody is banned.
                     if !matches!(&e, ExchangeError::Connect(io) if control::health::local_connect_error(io))
                     {
+                        peer_failed = true;
                         seg.peer_cell(peer.slot, cells::peer::FAILURES)
                             .fetch_add(1, Relaxed);
                         control::health::ban_on_connect_failure(ctx, route, peer);
