@@ -2232,7 +2232,18 @@ fn running_out_of_file_descriptors_bans_no_peer() {
     assert_eq!(ask(&health).status, 200);
     // Idle clients take every descriptor the router has left.
     let idle: Vec<_> = (0..120).map(|_| connect(p.public)).collect();
-    std::thread::sleep(Duration::from_millis(300));
+    // Out of descriptors once its accept loop says so (a request sent before that could
+    // still open a peer connection, which the pool would then keep).
+    let log_path = dir.0.join("router.log");
+    eventually(
+        Duration::from_secs(10),
+        "the router out of descriptors",
+        || {
+            std::fs::read_to_string(&log_path)
+                .unwrap_or_default()
+                .contains("accept failed")
+        },
+    );
     let r = ask(&chat);
     assert_eq!(r.status, 502, "{}", r.text());
     assert!(r.text().contains("Too many open files"), "{}", r.text());
