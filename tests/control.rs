@@ -245,19 +245,7 @@ fn session_priority_refuses_turn_one_first_near_the_limit() {
         |n: u32| format!("x-phanrouter-session: {{\"session_id\":\"s{n}\",\"turn\":{n}}}\r\n");
     // Nine warm requests (turn 5) held in flight.
     let held: Vec<_> = (0..9)
-        .map(|_| {
-            let h = turn(5);
-            std::thread::spawn(move || {
-                request(
-                    addr,
-                    &post_json(
-                        "/r/v1/chat/completions",
-                        &chat_body("x", false),
-                        &format!("{h}x-mock-ttft-ms: 1500\r\n"),
-                    ),
-                )
-            })
-        })
+        .map(|_| held_chat(addr, &format!("{}x-mock-ttft-ms: 1500\r\n", turn(5))))
         .collect();
     eventually(Duration::from_secs(5), "nine in flight", || {
         inflight_total(&env, "r") == 9
@@ -328,17 +316,7 @@ fn session_priority_refuses_turn_one_first_near_the_limit() {
 /// One non-streaming request on route `r` that the mock answers after `ms`, on its own
 /// thread.
 fn held_request(env: &Env, ms: u32) -> std::thread::JoinHandle<Resp> {
-    let addr = env.public();
-    std::thread::spawn(move || {
-        request(
-            addr,
-            &post_json(
-                "/r/v1/chat/completions",
-                &chat_body("x", false),
-                &format!("x-mock-ttft-ms: {ms}\r\n"),
-            ),
-        )
-    })
+    held_chat(env.public(), &format!("x-mock-ttft-ms: {ms}\r\n"))
 }
 
 /// Hold `n` slow non-streaming requests on route `r` in flight (each takes `ms` to answer).

@@ -303,18 +303,7 @@ fn concurrency_gate_429_and_all_banned_503() {
     );
     let env = start(&[("r", route)], "");
     let addr = env.public();
-    let slow = || {
-        std::thread::spawn(move || {
-            request(
-                addr,
-                &post_json(
-                    "/r/v1/chat/completions",
-                    &chat_body("x", false),
-                    "x-mock-ttft-ms: 800\r\n",
-                ),
-            )
-        })
-    };
+    let slow = || held_chat(addr, "x-mock-ttft-ms: 800\r\n");
     let h1 = slow();
     let h2 = slow();
     eventually(Duration::from_secs(5), "two in flight", || {

@@ -409,6 +409,19 @@ fn find_head_end(b: &[u8]) -> Option<usize> {
     b.windows(4).position(|w| w == b"\r\n\r\n").map(|p| p + 4)
 }
 
+/// One non-streaming chat request to route `r` with `headers` (whole lines, each ending in
+/// CRLF: a mock delay such as `x-mock-ttft-ms`, which holds it in flight), on its own
+/// thread.
+pub fn held_chat(addr: SocketAddr, headers: &str) -> JoinHandle<Resp> {
+    let headers = headers.to_string();
+    std::thread::spawn(move || {
+        request(
+            addr,
+            &post_json("/r/v1/chat/completions", &chat_body("x", false), &headers),
+        )
+    })
+}
+
 pub fn chat_body(content: &str, stream: bool) -> String {
     serde_json::json!({
         "model": "mock-model",
