@@ -17,6 +17,8 @@ use std::fmt;
 
 use serde_json::Value as Json;
 
+use crate::util::show_toml as show;
+
 /// A comparison operator of a leaf.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
@@ -481,20 +483,6 @@ fn json_type(v: &Json) -> &'static str {
         Json::Array(_) => "a list",
         Json::Object(_) => "a table",
     }
-}
-
-/// A short rendering of a TOML value for messages.
-fn show(v: &toml::Value) -> String {
-    let mut s = v.to_string();
-    if s.len() > 64 {
-        let mut cut = 61;
-        while !s.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        s.truncate(cut);
-        s.push_str("...");
-    }
-    s
 }
 
 /// Renders a node as a readable condition; `nested` groups of several children get

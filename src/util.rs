@@ -1,4 +1,4 @@
-//! Small async helpers shared by the worker and the pipeline.
+//! Small helpers shared across modules: racing two futures, and cutting text for messages.
 
 use std::future::Future;
 use std::pin::pin;
@@ -24,4 +24,39 @@ pub async fn race<A: Future, B: Future>(a: A, b: B) -> Either<A::Output, B::Outp
         Poll::Pending
     })
     .await
+}
+
+/// Cut `s` to at most `keep` bytes (at a character boundary) and mark the cut with `...`.
+pub fn truncate_with_ellipsis(s: &mut String, keep: usize) {
+    let mut cut = keep.min(s.len());
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    s.truncate(cut);
+    s.push_str("...");
+}
+
+/// A short rendering of a TOML value for messages: strings quoted, anything longer than
+/// 64 bytes cut to 64 with `...`.
+pub fn show_toml(v: &toml::Value) -> String {
+    let mut s = v.to_string();
+    if s.len() > 64 {
+        truncate_with_ellipsis(&mut s, 61);
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuts_at_a_character_boundary_and_marks_the_cut() {
+        let mut s = "aé".repeat(3);
+        truncate_with_ellipsis(&mut s, 4);
+        assert_eq!(s, "aéa...");
+        let long = toml::Value::String("x".repeat(100));
+        assert_eq!(show_toml(&long), format!("\"{}...", "x".repeat(60)));
+        assert_eq!(show_toml(&toml::Value::Integer(5)), "5");
+    }
 }

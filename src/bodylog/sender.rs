@@ -368,12 +368,7 @@ pub fn encode_shrinking(mut rec: Record) -> Result<Vec<u8>, EncodeError> {
             for v in m.values_mut() {
                 if let serde_json::Value::String(text) = v {
                     if text.len() > META_STRING_CUT {
-                        let mut at = META_STRING_CUT;
-                        while !text.is_char_boundary(at) {
-                            at -= 1;
-                        }
-                        text.truncate(at);
-                        text.push_str("...");
+                        crate::util::truncate_with_ellipsis(text, META_STRING_CUT);
                         cut = true;
                     }
                 }

@@ -7,6 +7,8 @@
 use std::path::PathBuf;
 
 use super::ConfigError;
+/// A short rendering of a value for messages (strings quoted, long values cut).
+pub(crate) use crate::util::show_toml as show;
 
 /// Problems found in one file, in three severities.
 #[derive(Debug, Default)]
@@ -91,20 +93,6 @@ pub(crate) fn type_name(v: &toml::Value) -> &'static str {
         toml::Value::Array(_) => "an array",
         toml::Value::Table(_) => "a table",
     }
-}
-
-/// A short rendering of `v` for messages (strings quoted, long values cut).
-pub(crate) fn show(v: &toml::Value) -> String {
-    let mut s = v.to_string();
-    if s.len() > 64 {
-        let mut cut = 61;
-        while !s.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        s.truncate(cut);
-        s.push_str("...");
-    }
-    s
 }
 
 /// Reads a boolean. TOML booleans are taken as they are; the strings yes/no, on/off, 1/0 and
