@@ -1842,8 +1842,13 @@ fn poll(limit: Duration, what: &str, mut f: impl FnMut() -> bool) {
 
 /// `warmroute status --shm <segment>`.
 fn status_text(shm: &Path) -> String {
+    status_with("--shm", shm)
+}
+
+/// `warmroute status <flag> <path>` (`--shm` or `--config`): what it printed.
+fn status_with(flag: &str, path: &Path) -> String {
     let out = Command::new(BIN)
-        .args(["status".as_ref(), "--shm".as_ref(), shm.as_os_str()])
+        .args(["status".as_ref(), flag.as_ref(), path.as_os_str()])
         .output()
         .unwrap();
     String::from_utf8_lossy(&out.stdout).into_owned()
@@ -2293,19 +2298,9 @@ fn status_shows_no_expired_ewma() {
     assert_eq!(r.status, 200);
     let cfg = d.0.join("warmroute.toml");
     let ttft = || {
-        let out = Command::new(BIN)
-            .args(["status", "--config"])
-            .arg(&cfg)
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let row: Vec<String> = text
-            .lines()
-            .find(|l| l.contains(&format!("chat//{}", m.addr())))
-            .unwrap_or_else(|| panic!("peer row missing:\n{text}"))
-            .split_whitespace()
-            .map(String::from)
-            .collect();
+        let text = status_with("--config", &cfg);
+        let row = status_row(&text, &format!("chat//{}", m.addr()))
+            .unwrap_or_else(|| panic!("peer row missing:\n{text}"));
         row[row.len() - 2].clone()
     };
     // The sample is recorded a moment after the client has its last byte.
