@@ -35,7 +35,12 @@ fn replaced_by_proxy(name: &[u8]) -> bool {
 /// end-to-end headers, the proxy's own (`Host`, `Content-Length`, forwarding headers)
 /// and — when it is small — the body, so head and body leave in one write.
 /// `authorization`, when set (`upstream_api_key`), replaces the client's credentials.
+/// `identity`: ask for an uncompressed response (`Accept-Encoding: identity` in place of
+/// the client's), because the router must read the stream: it removes the usage frame its
+/// own `include_usage` injection causes, and a compressed stream would carry that frame to
+/// the client unread (and its tokens uncounted).
 /// Written into `out` (cleared first); returns it and whether the body is in it.
+#[allow(clippy::too_many_arguments)]
 pub fn build_request(
     mut out: Vec<u8>,
     head: &RequestHead,
@@ -44,6 +49,7 @@ pub fn build_request(
     client_ip: &str,
     body: &[u8],
     authorization: Option<&str>,
+    identity: bool,
 ) -> (Vec<u8>, bool) {
     let inline = body.len() <= INLINE_BODY_BYTES_MAX;
     out.clear();
@@ -59,8 +65,12 @@ pub fn build_request(
             || replaced_by_proxy(name)
             || (listed && head.headers.connection_lists(name))
             || (authorization.is_some()
-                && (http::name_is(name, b"authorization") || http::name_is(name, b"x-api-key"))))
+                && (http::name_is(name, b"authorization") || http::name_is(name, b"x-api-key")))
+            || (identity && http::name_is(name, b"accept-encoding")))
     });
+    if identity {
+        out.extend_from_slice(b"Accept-Encoding: identity\r\n");
+    }
     // X-Forwarded-For: the client's chain, then the client's address.
     out.extend_from_slice(b"X-Forwarded-For: ");
     for v in head.headers.all_known(http::Known::X_FORWARDED_FOR) {

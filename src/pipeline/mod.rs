@@ -836,6 +836,7 @@ async fn proxy(
                 &conn.ip,
                 upstream_body,
                 authorization.as_deref(),
+                usage_injected,
             );
             debug_assert_eq!(inline, !big, "build_request splits at the same size");
             // The body's arrival is a current time for the first attempt.
