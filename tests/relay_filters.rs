@@ -267,3 +267,113 @@ fn a_usage_frame_after_an_event_line_is_removed_and_counted() {
     drop(env);
     let _ = std::fs::remove_file(&log);
 }
+
+/// A client's bytes to EOF: its request written, everything the router sends until it closes.
+fn exchange_to_eof(env: &Env, raw: &[u8]) -> Vec<u8> {
+    use std::io::Read;
+    let mut s = TcpStream::connect(env.public()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(raw).unwrap();
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    got
+}
+
+/// A peer that cuts an event stream short in the middle of a line: the start of that line
+/// reaches the client when a filter holds it (the router's usage filter waits for the end of
+/// each line), as it does when no filter runs. Both ways of cutting: a close before the
+/// `Content-Length` is complete, and a broken chunk size. The control for each is the client
+/// that asked for usage itself (no filter), which gets the same bytes.
+#[test]
+fn a_peer_that_cuts_a_filtered_stream_mid_line_still_delivers_the_start_of_the_line() {
+    const EVENT: &str = "data: {\"id\":\"1\",\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n";
+    const PARTIAL: &str = "data: {\"id\":\"1\",\"choices\":[{\"delta\":{\"content\":\"PARTIAL";
+    let by_length = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: 5000\r\n\r\n{EVENT}{PARTIAL}"
+    );
+    let by_chunks = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{EVENT}{PARTIAL}\r\nZZ\r\n",
+        EVENT.len() + PARTIAL.len()
+    );
+    for (how, wire) in [("length", by_length), ("chunks", by_chunks)] {
+        let be = raw_backend(vec![wire.into_bytes()], 1);
+        let env = start(
+            &[
+                ("r", route_for(&[be.addr], "")),
+                (
+                    "pp",
+                    route_for(&[be.addr], "postprocess = \"vllm_format\"\n"),
+                ),
+            ],
+            "",
+        );
+        for route in ["r", "pp"] {
+            for own_usage in [false, true] {
+                let opts = if own_usage {
+                    r#","stream_options":{"include_usage":true}"#
+                } else {
+                    ""
+                };
+                let req = format!(r#"{{"model":"m","stream":true{opts}}}"#);
+                let got = exchange_to_eof(
+                    &env,
+                    &post_json(&format!("/{route}/v1/chat/completions"), &req, ""),
+                );
+                let text = String::from_utf8_lossy(&got);
+                assert!(text.starts_with("HTTP/1.1 200"), "{how} {route}: {text}");
+                assert!(
+                    text.contains("\"content\":\"x\""),
+                    "{how} {route} own_usage={own_usage}: the whole event: {text}"
+                );
+                assert!(
+                    text.contains("PARTIAL"),
+                    "{how} {route} own_usage={own_usage}: the start of the cut line: {text}"
+                );
+            }
+        }
+    }
+}
+
+/// The router's include_usage injection means it must read the stream (to remove the frame
+/// the injection causes): it asks the peer for an uncompressed response in place of the
+/// client's `Accept-Encoding`. A compressed stream would carry the frame to the client and
+/// its tokens uncounted. The control, a client that asked for usage itself, keeps its own
+/// `Accept-Encoding`.
+#[test]
+fn a_stream_the_router_must_read_is_asked_for_uncompressed() {
+    let be = raw_backend(
+        vec![b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: 14\r\n\r\ndata: [DONE]\n\n".to_vec()],
+        usize::MAX,
+    );
+    let env = start(&[("r", route_for(&[be.addr], ""))], "");
+    for (n, own_usage) in [false, true].into_iter().enumerate() {
+        let opts = if own_usage {
+            r#","stream_options":{"include_usage":true}"#
+        } else {
+            ""
+        };
+        let req = format!(r#"{{"model":"m","stream":true{opts}}}"#);
+        let r = request(
+            env.public(),
+            &post_json(
+                "/r/v1/chat/completions",
+                &req,
+                "Accept-Encoding: gzip, br\r\n",
+            ),
+        );
+        assert_eq!(r.status, 200);
+        let sent = String::from_utf8_lossy(&be.requests.lock().unwrap()[n]).to_lowercase();
+        let encodings: Vec<&str> = sent
+            .lines()
+            .filter_map(|l| l.strip_prefix("accept-encoding:"))
+            .map(str::trim)
+            .collect();
+        if own_usage {
+            assert!(!sent.contains("include_usage\":true,"), "{sent}");
+            assert_eq!(encodings, ["gzip, br"], "{sent}");
+        } else {
+            assert!(sent.contains("\"include_usage\":true"), "{sent}");
+            assert_eq!(encodings, ["identity"], "{sent}");
+        }
+    }
+}

@@ -50,6 +50,8 @@ pub struct ChunkedDecoder {
     size: u64,
     line_bytes: usize,
     trailer_bytes: usize,
+    /// How many bytes of the last `feed`'s input end with a complete chunk (0: none did).
+    boundary: usize,
 }
 
 impl Default for ChunkedDecoder {
@@ -59,6 +61,7 @@ impl Default for ChunkedDecoder {
             size: 0,
             line_bytes: 0,
             trailer_bytes: 0,
+            boundary: 0,
         }
     }
 }
@@ -77,6 +80,12 @@ impl ChunkedDecoder {
         self.state == State::Done
     }
 
+    /// How many bytes of the last [`feed`](Self::feed)'s input end with a complete chunk:
+    /// after a framing error, the part of that input a relay can pass on as it is.
+    pub fn boundary(&self) -> usize {
+        self.boundary
+    }
+
     /// Consume bytes from `input`, passing each run of body data to `data`. Returns how
     /// many bytes of `input` belong to this message (less than `input.len()` only when the
     /// message ended inside it).
@@ -86,6 +95,7 @@ impl ChunkedDecoder {
         data: &mut impl FnMut(&[u8]),
     ) -> Result<usize, ChunkError> {
         let mut i = 0;
+        self.boundary = 0;
         while i < input.len() {
             let b = input[i];
             match self.state {
@@ -161,6 +171,7 @@ impl ChunkedDecoder {
                         return Err(ChunkError::BadDelimiter);
                     }
                     i += 1;
+                    self.boundary = i;
                     self.state = State::Size { digits: 0 };
                 }
                 // A trailer line is `name: value` CRLF (RFC 9112 §7.1.2). A bare LF, a line

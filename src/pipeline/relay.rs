@@ -446,13 +446,17 @@ pub async fn relay(
                     data_bytes += d.len();
                 });
                 // Broken framing: the head, if it has not gone yet, still reaches the
-                // client (below), and so does what decoded before the break when the body
-                // is re-framed (passed through, the broken read's bytes are not sent);
-                // then the response is cut. The client of a first read that broke used to
-                // get nothing at all.
+                // client (below), and so does what came before the break: decoded, when
+                // the body is re-framed; passed through, the read's complete chunks. Then
+                // the response is cut. The client of a first read that broke used to get
+                // nothing at all.
                 let used = used.unwrap_or_else(|_| {
                     broken = Some("malformed chunked response body");
-                    0
+                    if decode {
+                        0
+                    } else {
+                        dec.boundary()
+                    }
                 });
                 note_body(stats, read_at, data_bytes, !decode);
                 if dec.is_done() {
@@ -535,6 +539,9 @@ pub async fn relay(
         }
         if let Some(why) = broken {
             give_back(heads, [&mut out, &mut body, &mut decoded]);
+            if decode {
+                flush_before_cut(client, filters, plan, stats, heads).await;
+            }
             return (RelayEnd::UpstreamError(why), Some(pending));
         }
         if finished {
@@ -601,6 +608,10 @@ pub async fn relay(
                     eof = true;
                     continue;
                 }
+                give_back(heads, [&mut out, &mut body, &mut decoded]);
+                if decode {
+                    flush_before_cut(client, filters, plan, stats, heads).await;
+                }
                 return (
                     RelayEnd::UpstreamError("peer closed before the body was complete"),
                     Some(pending),
@@ -609,6 +620,38 @@ pub async fn relay(
             Ok(n) => small_reads = count_small_read(small_reads, n, cap),
         }
     }
+}
+
+/// The peer cut a filtered body short, or broke its framing: what the filters still hold
+/// (the start of a line whose end they were waiting for) goes to the client before the
+/// cut, as those bytes would have gone without a filter. Best effort: the response is cut
+/// either way, and the client's chunked framing is left open so that the cut shows.
+async fn flush_before_cut(
+    client: &mut OwnedWriteHalf<TcpStream>,
+    filters: &mut FilterChain,
+    plan: &RelayPlan<'_>,
+    stats: &mut RelayStats,
+    heads: &Spares,
+) {
+    if filters.is_empty() {
+        return;
+    }
+    let mut held = heads.take();
+    held.clear();
+    filters.run(&[], true, &mut held);
+    if !held.is_empty() {
+        stats.body_bytes += held.len() as u64;
+        let mut out = heads.take();
+        out.clear();
+        match plan.client {
+            ClientFraming::Chunked => crate::http::encode_chunk(&held, &mut out),
+            _ => out.extend_from_slice(&held),
+        }
+        if let Ok(b) = write_client(client, out).await {
+            heads.put(b);
+        }
+    }
+    heads.put(held);
 }
 
 /// `n` body bytes arrived from the peer at `now`. `sent`: they reach the client as they
