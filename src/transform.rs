@@ -68,10 +68,20 @@ pub struct TransformReport {
 /// Apply the enabled transforms to a request body. Returns `None` when nothing changed (forward
 /// the original bytes untouched), or `Some(new body)`. A body that is not a JSON object/array is
 /// never changed.
+///
+/// A body that engines read as JSON but serde_json refuses (nesting deeper than 128, a
+/// number beyond a double, a lone surrogate: see [`crate::lenient_json`]) is decided on a
+/// repaired copy, and edited in its own bytes as any other. The structural path, which
+/// re-encodes the decoded tree, is not taken from a copy: such a body is left as it is.
 pub fn apply(body: &[u8], opts: &TransformOptions) -> (Option<Vec<u8>>, TransformReport) {
     match serde_json::from_slice::<Value>(body) {
         Ok(v) => apply_parsed(body, &v, opts),
-        Err(_) => (None, TransformReport::default()),
+        Err(_) => match crate::lenient_json::parse(body) {
+            Some(v) if !(opts.messages_path && has_system_message(&v)) => {
+                apply_parsed(body, &v, opts)
+            }
+            _ => (None, TransformReport::default()),
+        },
     }
 }
 
@@ -1384,6 +1394,51 @@ mod tests {
             out.unwrap(),
             r#"{"messages":[{"role":"user","content":[{"type":"text","text":"\nhello"},{"type":"text","text":"  two"}]}]}"#
         );
+    }
+
+    /// Bodies serde_json refuses but engines read (nesting deeper than 128, a number beyond
+    /// a double, a lone surrogate) get the same edits as any other, made in their own bytes.
+    /// The control: each body is one serde_json refuses, and the same edits apply to the
+    /// well-formed twin.
+    #[test]
+    fn bodies_serde_refuses_are_still_transformed_in_their_own_bytes() {
+        let deep = format!("{}1{}", "[".repeat(130), "]".repeat(130));
+        for extra in [deep.as_str(), "1e999", r#""\ud800""#] {
+            let body = format!(
+                r#"{{"model":"m","stream":true,"x":{extra},"messages":[{{"role":"user","content":"{CCH} hi"}}]}}"#
+            );
+            assert!(serde_json::from_str::<Value>(&body).is_err(), "{extra}");
+            let (out, rep) = run(&body, &ALL);
+            assert!(
+                rep.parsed && rep.cch_stripped && rep.usage_injected,
+                "{extra}"
+            );
+            let want = format!(
+                r#"{{"model":"m","stream":true,"x":{extra},"messages":[{{"role":"user","content":" hi"}}],"stream_options":{{"include_usage":true}}}}"#
+            );
+            assert_eq!(out.as_deref(), Some(want.as_str()), "{extra}");
+            // The twin serde reads: the same edits.
+            let twin = body.replace(extra, "1");
+            let (out, _) = run(&twin, &ALL);
+            assert_eq!(out, Some(want.replace(extra, "1")));
+        }
+        // A Kimi model's tool-call ids, behind deep nesting.
+        let body = format!(
+            r#"{{"model":"kimi-k2.5","x":{deep},"messages":[{{"role":"assistant","tool_calls":[{{"id":"call_a","function":{{"name":"f"}}}}]}},{{"role":"tool","tool_call_id":"call_a"}}]}}"#
+        );
+        let (out, rep) = run(&body, &ALL);
+        assert_eq!(rep.kimi_changes, 2);
+        assert_eq!(out, Some(body.replace("call_a", "functions.f:0")));
+        // The structural path (a `/v1/messages` body with a system message) re-encodes the
+        // tree: not from a repaired copy, so such a body is left as it is.
+        let body = format!(
+            r#"{{"x":{deep},"messages":[{{"role":"system","content":"s"}},{{"role":"user","content":"u"}}]}}"#
+        );
+        let o = TransformOptions {
+            messages_path: true,
+            ..ALL
+        };
+        assert_eq!(run(&body, &o).0, None);
     }
 
     #[test]
