@@ -253,7 +253,9 @@ fn parse_json(b: &[u8]) -> Option<Value> {
     if b.trim_ascii().first() != Some(&b'{') {
         return None;
     }
-    serde_json::from_slice(b).ok()
+    serde_json::from_slice(b)
+        .ok()
+        .filter(crate::util::json_numbers_exact)
 }
 
 /// The rewritten line when a `data:` line's JSON payload changed; `None` keeps the original.
@@ -410,6 +412,48 @@ mod tests {
     const CHAT_CHUNK_REASONING: &str = r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","system_fingerprint":null,"choices":[{"index":0,"delta":{"role":"assistant","reasoning":"hmm","content":null},"logprobs":null,"finish_reason":null,"stop_reason":null,"token_ids":null}],"prompt_token_ids":null}"#;
     const CHAT_CHUNK_CLEAN: &str = r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}"#;
     const CHAT_CHUNK_USAGE: &str = r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7,"prompt_tokens_details":{"cached_tokens":3,"created_cache_tokens":2,"multimodal_tokens":null}},"kv_transfer_params":{"a":1}}"#;
+
+    /// A frame or body with an integer beyond 64 bits is left as the peer sent it: a
+    /// re-encoding would write the number rounded. The control: the same frame with a small
+    /// number is rewritten.
+    #[test]
+    fn a_number_a_rewrite_would_round_leaves_the_text_as_it_is() {
+        let big = CHAT_CHUNK_REASONING.replace(
+            r#""created":1"#,
+            r#""created":123456789012345678901234567890"#,
+        );
+        for (handler, body) in [
+            (Handler::VllmFormat, big.clone()),
+            (
+                Handler::StripActualUsage,
+                r#"{"seed":18446744073709551616,"actual_usage":{}}"#.to_string(),
+            ),
+        ] {
+            let sse = format!("data: {body}\n\n");
+            assert_eq!(
+                run(handler, Mode::Sse, &[sse.as_bytes()]),
+                (sse.clone().into_bytes(), 0)
+            );
+            assert_eq!(
+                run(handler, Mode::Json, &[body.as_bytes()]),
+                (body.clone().into_bytes(), 0)
+            );
+            let small = body
+                .replace("123456789012345678901234567890", "1")
+                .replace("18446744073709551616", "1");
+            let sse = format!("data: {small}\n\n");
+            assert_eq!(
+                run(handler, Mode::Sse, &[sse.as_bytes()]).1,
+                1,
+                "{handler:?}"
+            );
+            assert_eq!(
+                run(handler, Mode::Json, &[small.as_bytes()]).1,
+                1,
+                "{handler:?}"
+            );
+        }
+    }
 
     fn sample_stream() -> Vec<u8> {
         let mut s = Vec::new();

@@ -159,6 +159,10 @@ pub fn apply_parsed(
     }
     rep.parsed = true;
     if opts.messages_path && has_system_message(v) {
+        // The structural path re-encodes the tree: not when that would round a number.
+        if !crate::util::json_numbers_exact(v) {
+            return (None, rep);
+        }
         return structural(v, opts, rep);
     }
 
@@ -1439,6 +1443,23 @@ mod tests {
             ..ALL
         };
         assert_eq!(run(&body, &o).0, None);
+    }
+
+    /// The structural path re-encodes the body: one with an integer beyond 64 bits, which
+    /// the re-encoding would round, is left as it is. The control: the same body with a
+    /// small number is re-encoded (its system message hoisted).
+    #[test]
+    fn the_structural_path_does_not_round_a_number() {
+        let o = TransformOptions {
+            messages_path: true,
+            ..ALL
+        };
+        let body = r#"{"seed":123456789012345678901234567890,"messages":[{"role":"system","content":"s"},{"role":"user","content":"u"}]}"#;
+        assert_eq!(run(body, &o).0, None);
+        let small = body.replace("123456789012345678901234567890", "7");
+        let (out, rep) = run(&small, &o);
+        assert!(rep.structural, "{out:?}");
+        assert!(out.unwrap().contains(r#""seed":7"#));
     }
 
     #[test]
