@@ -153,17 +153,36 @@ fn reject_rules_reject_with_their_status_and_count_hits() {
         request(env.public(), &get("/r/_429_status")).json()["by_reason"]["rule"],
         6
     );
-    // The runtime toggle turns them off (and reset brings the route's setting back).
+    // The runtime toggle turns them off (and on=default brings the route's setting back).
     assert_eq!(
         request(env.public(), &get("/r/_reject_rules_toggle?on=0")).json()["enabled"],
         false
     );
     assert_eq!(chat(&env, "r", cases[1].0.clone()).status, 200);
+    let back = request(env.public(), &get("/r/_reject_rules_toggle?on=default")).json();
     assert_eq!(
-        request(env.public(), &get("/r/_reject_rules_toggle?reset=1")).json()["enabled"],
-        true
+        (&back["enabled"], &back["changes"]),
+        (&json!(true), &json!({"enabled": "default"}))
     );
     assert_eq!(chat(&env, "r", cases[1].0.clone()).status, 422);
+    // reset=1 zeroes the rules' hits (the reference's meaning) and leaves them on.
+    let hits = |env: &Env| -> Vec<u64> {
+        request(env.public(), &get("/r/_reject_rules_status")).json()["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["hits"].as_u64().unwrap())
+            .collect()
+    };
+    assert_eq!(hits(&env), [1, 2, 2, 1, 1]);
+    let reset = request(env.public(), &get("/r/_reject_rules_toggle?reset=1")).json();
+    assert_eq!(
+        (&reset["enabled"], &reset["changes"]),
+        (&json!(true), &json!({"counters_reset": true}))
+    );
+    assert_eq!(hits(&env), [0, 0, 0, 0, 0]);
+    assert_eq!(chat(&env, "r", cases[1].0.clone()).status, 422);
+    assert_eq!(hits(&env), [0, 1, 0, 0, 0]);
     // The status line carries the registered reason of a rule's own status (it read
     // "Unknown" for any code outside the router's built-in answers).
     for (body, line) in [
@@ -283,12 +302,38 @@ fn cch_prefix_is_stripped_byte_preservingly_and_toggles_off() {
     );
     let st = request(env.public(), &get("/r/_route_state")).json();
     assert_eq!(st["transforms"]["cch_stripped"], 1);
-    request(env.public(), &get("/r/_cch_strip_toggle?on=0"));
+    // The toggle answers with the counters and what it changed (notes-edges §4.3).
+    let off = request(env.public(), &get("/r/_cch_strip_toggle?on=0")).json();
+    assert_eq!(
+        (&off["enabled"], &off["changes"], &off["stripped_total"]),
+        (&json!(false), &json!({"enabled": false}), &json!(1))
+    );
     assert_eq!(
         echo(&env, "r", body),
         body.as_bytes(),
         "control: off → forwarded byte-identical"
     );
+    // reset=1 zeroes the counters and leaves the switch as it is.
+    let reset = request(env.public(), &get("/r/_cch_strip_toggle?reset=1")).json();
+    assert_eq!(
+        (&reset["enabled"], &reset["changes"]),
+        (&json!(false), &json!({"counters_reset": true}))
+    );
+    assert_eq!(
+        (&reset["parsed_total"], &reset["stripped_total"]),
+        (&json!(0), &json!(0))
+    );
+    let st = request(env.public(), &get("/r/_route_state")).json();
+    assert_eq!(st["transforms"]["cch_stripped"], 0);
+    // on=default: back to the route's setting (on), and the prefix goes again.
+    let back = request(env.public(), &get("/r/_cch_strip_toggle?on=default")).json();
+    assert_eq!(
+        (&back["enabled"], &back["source"]),
+        (&json!(true), &json!("route"))
+    );
+    assert_ne!(echo(&env, "r", body), body.as_bytes());
+    let st = request(env.public(), &get("/r/_route_state")).json();
+    assert_eq!(st["transforms"]["cch_stripped"], 1);
 }
 
 #[test]
