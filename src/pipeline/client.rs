@@ -15,7 +15,6 @@ use monoio::io::{
 };
 use monoio::net::TcpStream;
 use monoio::time::{Instant, Sleep};
-use monoio::BufResult;
 
 use crate::http::{self, BodyFraming, ChunkedDecoder, HeadParse, RequestHead};
 use crate::limits::CLIENT_READ_BUF_BYTES;
@@ -425,7 +424,10 @@ pub async fn write_client(
 
 /// A read on the client kept pending while the peer works: it completes with EOF when
 /// the client goes away (also during a silent prefill), so the upstream can be closed at
-/// once. Pipelined bytes it happens to read are kept and handed back at the end.
+/// once. Pipelined bytes it reads (a next request, a stray CRLF after a body) are kept and
+/// handed back at the end, and the watch goes on reading after them: a client that sends
+/// something and then leaves is still noticed. It stops only when it has kept
+/// [`WATCH_KEEP_BYTES_MAX`].
 ///
 /// Armed lazily: a request answered within `WATCH_ARM_DELAY` never issues the read (nor
 /// its cancellation), which is most of the cost of watching on short requests. A client
@@ -435,14 +437,28 @@ pub struct ClientWatch<'a> {
     /// The connection's timer: the arm time and the deadline of each wait share it.
     timer: &'a mut Timer,
     fut: Option<WatchRead<'a>>,
-    /// Made with the read it cancels: most requests never arm the watch.
+    /// Made with the first read it cancels: most requests never arm the watch.
     canceller: Option<monoio::io::Canceller>,
-    done: Option<BufResult<usize, Vec<u8>>>,
+    /// The client's bytes read while watching.
+    kept: Vec<u8>,
+    /// The client closed its connection (or it failed) while we waited.
+    gone: bool,
     arm_at: Instant,
 }
 
-/// The armed watch read.
-type WatchRead<'a> = Pin<Box<dyn Future<Output = BufResult<usize, Vec<u8>>> + 'a>>;
+/// The armed watch read: the read's result, the buffer it appended to, and the read half
+/// back for the next read.
+type WatchRead<'a> = Pin<
+    Box<
+        dyn Future<
+                Output = (
+                    std::io::Result<usize>,
+                    Vec<u8>,
+                    &'a mut OwnedReadHalf<TcpStream>,
+                ),
+            > + 'a,
+    >,
+>;
 
 /// The client closed its connection (or it failed) while we waited.
 #[derive(Debug)]
@@ -522,13 +538,35 @@ impl<'a> ClientWatch<'a> {
             timer,
             fut: None,
             canceller: None,
-            done: None,
+            kept: Vec::new(),
+            gone: false,
             arm_at: Instant::from_std(since) + WATCH_ARM_DELAY,
         }
     }
 
     fn gone(&self) -> bool {
-        matches!(&self.done, Some((Ok(0), _)) | Some((Err(_), _)))
+        self.gone
+    }
+
+    /// Issue a watch read that appends to `buf` (with room made for it), unless the watch
+    /// has kept all it may: then it stops, and keeps `buf`.
+    fn arm(&mut self, rd: &'a mut OwnedReadHalf<TcpStream>, mut buf: Vec<u8>) {
+        if buf.len() >= WATCH_KEEP_BYTES_MAX {
+            self.kept = buf;
+            return;
+        }
+        if buf.len() == buf.capacity() {
+            buf.reserve((buf.len().max(WATCH_BUF_BYTES)).min(WATCH_KEEP_BYTES_MAX - buf.len()));
+        }
+        let handle = self
+            .canceller
+            .get_or_insert_with(monoio::io::Canceller::new)
+            .handle();
+        self.fut = Some(Box::pin(async move {
+            let (len, cap) = (buf.len(), buf.capacity());
+            let (r, slice) = rd.cancelable_read(buf.slice_mut(len..cap), handle).await;
+            (r, slice.into_inner(), rd)
+        }));
     }
 
     /// Run `other` to completion unless the client goes away first. `other` comes pinned
@@ -624,16 +662,19 @@ impl<'a> ClientWatch<'a> {
             }
             // The arm time came: issue the watch read, then wait for the deadline.
             if let Some(rd) = self.rd.take() {
-                let buf = Vec::with_capacity(WATCH_BUF_BYTES);
-                let canceller = self.canceller.insert(monoio::io::Canceller::new());
-                self.fut = Some(Box::pin(rd.cancelable_read(buf, canceller.handle())));
+                self.arm(rd, Vec::with_capacity(WATCH_BUF_BYTES));
             }
         }
-        if let Some(f) = self.fut.as_mut() {
-            if let Poll::Ready(r) = f.as_mut().poll(cx) {
-                self.fut = None;
-                self.done = Some(r);
-                if self.gone() {
+        // Bytes the client sent are kept, and the watch reads on after them.
+        while let Some(f) = self.fut.as_mut() {
+            let Poll::Ready((r, buf, rd)) = f.as_mut().poll(cx) else {
+                break;
+            };
+            self.fut = None;
+            match r {
+                Ok(n) if n > 0 => self.arm(rd, buf),
+                _ => {
+                    self.gone = true;
                     return Poll::Ready(Err(Stopped::ClientGone));
                 }
             }
@@ -641,26 +682,28 @@ impl<'a> ClientWatch<'a> {
         Poll::Pending
     }
 
-    /// Stop watching: cancel the pending read (if it was armed) and return any bytes it read.
+    /// Stop watching: cancel the pending read (if it was armed) and return the bytes the
+    /// watch read.
     pub async fn finish(mut self) -> Option<Vec<u8>> {
-        let r = match (self.done.take(), self.fut.take()) {
-            (Some(r), _) => r,
-            (None, Some(f)) => {
+        let kept = match self.fut.take() {
+            Some(f) => {
                 if let Some(c) = self.canceller.take() {
                     let _ = c.cancel();
                 }
-                f.await
+                // A read that completed before the cancellation took effect appended its
+                // bytes; a cancelled one left the buffer as it was.
+                f.await.1
             }
-            (None, None) => return None,
+            None => std::mem::take(&mut self.kept),
         };
-        match r {
-            (Ok(n), buf) if n > 0 => Some(buf),
-            _ => None,
-        }
+        (!kept.is_empty() && !self.gone).then_some(kept)
     }
 }
 
 /// How long a request may take before its client is watched for disconnects.
 const WATCH_ARM_DELAY: std::time::Duration = std::time::Duration::from_millis(25);
-/// Bytes the client-watch read may take of a pipelined next request.
+/// The client-watch read's first buffer: room for a stray CRLF or a small next request.
 const WATCH_BUF_BYTES: usize = 256;
+/// The most the client watch keeps of what the client sends while its request is served
+/// (a request head's limit, SPEC §14); past it the watch stops reading.
+pub const WATCH_KEEP_BYTES_MAX: usize = 64 * 1024;
