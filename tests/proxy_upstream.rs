@@ -543,6 +543,74 @@ fn a_peer_silent_past_the_first_byte_timeout_gets_a_504_and_a_prompt_one_does_no
     );
 }
 
+/// A peer that sends its status line at once and the rest of its head `gap` later.
+fn split_head_backend(gap: Duration) -> std::net::SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            std::thread::spawn(move || {
+                let mut buf = Vec::new();
+                while let Some(req) = read_request(&mut s, &mut buf) {
+                    if is_health_probe(&req) {
+                        let _ = answer_health_probe(&mut s);
+                        continue;
+                    }
+                    let _ = s.write_all(b"HTTP/1.1 200 OK\r\n");
+                    std::thread::sleep(gap);
+                    let _ = s.write_all(b"Content-Length: 2\r\n\r\nok");
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// The first-byte timeout ends at the first byte; from there the idle timeout applies to
+/// the rest of the head, as to the body. A head that starts at once and is finished 800 ms
+/// later is not cut by a 500 ms first-byte timeout (it used to get a 504); one whose rest
+/// never comes in time is cut by a 300 ms idle timeout, not by the 3 s first-byte one. The
+/// controls: each timeout still applies where it did.
+#[test]
+fn the_first_byte_timeout_ends_at_the_first_byte_and_the_idle_timeout_covers_the_rest_of_the_head()
+{
+    let slow_rest = split_head_backend(Duration::from_millis(800));
+    let env = start(
+        &[
+            (
+                "a",
+                route_for(
+                    &[slow_rest],
+                    "first_byte_timeout_ms = 500\nidle_timeout_ms = 2000\n",
+                ),
+            ),
+            (
+                "b",
+                route_for(
+                    &[slow_rest],
+                    "first_byte_timeout_ms = 3000\nidle_timeout_ms = 300\n",
+                ),
+            ),
+        ],
+        "",
+    );
+    let ask = |route: &str| {
+        let t = Instant::now();
+        let r = request(env.public(), &get(&format!("/{route}/v1/x")));
+        (r.status, t.elapsed())
+    };
+    let (status, took) = ask("a");
+    assert_eq!(status, 200, "after {took:?}");
+    assert!(took >= Duration::from_millis(700), "{took:?}");
+    let (status, took) = ask("b");
+    assert_eq!(status, 504);
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_millis(750),
+        "cut by the idle timeout: {took:?}"
+    );
+}
+
 /// Send a streamed chat request and read until the router closes the connection (or 8 s).
 fn stream_until_close(env: &Env, extra: &str) -> (Vec<u8>, Duration) {
     let mut s = connect(env.public());

@@ -146,6 +146,9 @@ pub struct Exchanged {
 pub struct Timeouts<'a> {
     pub connect: Duration,
     pub first_byte: Duration,
+    /// The most the peer may pause between two reads of its head, once it has sent a
+    /// first byte (the route's `idle_timeout_ms`, as between the body's reads).
+    pub idle: Duration,
     /// The request is HEAD: the response has no body whatever its headers say.
     pub head_request: bool,
     /// The router's drain: the wait for the response head ends at its deadline at the
@@ -293,7 +296,7 @@ async fn send_and_read_head(
     reused: bool,
     watch: &mut ClientWatch<'_>,
 ) -> Result<HeadResult, SendFailure> {
-    let (head_request, first_byte) = (t.head_request, t.first_byte);
+    let (head_request, first_byte, idle) = (t.head_request, t.first_byte, t.idle);
     let gone = || SendError::Fatal(ExchangeError::ClientGone);
     let sent = match body.take() {
         None => {
@@ -342,6 +345,14 @@ async fn send_and_read_head(
         }
         let len = buf.len();
         let cap = buf.capacity();
+        // Until the first byte, the first-byte deadline; then the idle timeout from the
+        // last read, as for the body (a head that starts at once and then stalls is cut
+        // by the idle timeout, and a slow but steady one is not cut by the first-byte one).
+        let deadline = if first_byte_at.is_some() {
+            monoio::time::Instant::now() + idle
+        } else {
+            deadline
+        };
         let got = {
             let read = std::pin::pin!(stream.read(buf.slice_mut(len..cap)));
             race_until_drained!(watch, deadline, listen_at, read, t.drain)

@@ -765,6 +765,7 @@ async fn proxy(
     let timeouts = Timeouts {
         connect: Duration::from_millis(opts.connect_timeout_ms),
         first_byte: Duration::from_millis(opts.first_byte_timeout_ms),
+        idle: Duration::from_millis(opts.idle_timeout_ms),
         head_request: head.method_bytes() == b"HEAD",
         drain: Some(client::DrainWatch {
             deadline_ms: &ctx.shared.drain_deadline_ms,
