@@ -344,6 +344,8 @@ fn every_response_framing_is_relayed() {
         ("GET", b"HTTP/1.1 204 No Content\r\nX-A: 1\r\n\r\n", b"", "204"),
         // A peer's length on a 204 does not reach the client (RFC 9110 §8.6).
         ("GET", b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n", b"", "204+length"),
+        // Nor its transfer coding (RFC 9112 §6.1).
+        ("GET", b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n", b"", "204+te"),
         ("GET", b"HTTP/1.1 304 Not Modified\r\nETag: x\r\n\r\n", b"", "304"),
         ("HEAD", b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n", b"", "head"),
         ("GET", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\nX-T: 1\r\n\r\n", b"abc", "chunked+trailer"),
@@ -369,6 +371,7 @@ fn every_response_framing_is_relayed() {
             }
             if what.starts_with("204") {
                 assert_eq!(resp.header("content-length"), None, "{what}");
+                assert_eq!(resp.header("transfer-encoding"), None, "{what}");
             }
             if close {
                 assert_eq!(resp.header("connection"), Some("close"), "{what}");

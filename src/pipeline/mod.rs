@@ -1762,8 +1762,8 @@ fn client_head(
     // chunked (RFC 9112 §6.3); the length goes, or a client trusting it would lose its
     // place in the connection.
     let chunked_peer = up.framing == ResponseFraming::Chunked;
-    // A 204 has no content and says no length (RFC 9110 §8.6); the body is not read
-    // either way.
+    // A 204 has no content and says no length (RFC 9110 §8.6) nor transfer coding (RFC
+    // 9112 §6.1); the body is not read either way.
     let no_length = up.status == 204;
     up.headers.write_lines(out, |name, _| {
         !(is_hop_by_hop(name)
@@ -1772,6 +1772,7 @@ fn client_head(
             || (reframed
                 && (name_is(name, b"transfer-encoding") || name_is(name, b"content-length")))
             || ((chunked_peer || no_length) && name_is(name, b"content-length"))
+            || (no_length && name_is(name, b"transfer-encoding"))
             // A peer's own routing headers never reach the client: ours describe this hop.
             || (name.len() > 9 && name_is(&name[..9], b"x-routed-")))
     });
