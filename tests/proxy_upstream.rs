@@ -1185,3 +1185,97 @@ fn a_json_usage_followed_by_a_long_token_list_is_still_counted() {
         "{st}"
     );
 }
+
+/// A broken peer that sends a second, complete response 3 ms after its answer to
+/// `/overlong`, and otherwise answers with the path it was asked for, 1 ms after the
+/// request.
+fn double_answer_backend() -> std::net::SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            s.set_nodelay(true).ok();
+            std::thread::spawn(move || {
+                let mut buf = Vec::new();
+                while let Some(req) = read_request(&mut s, &mut buf) {
+                    if is_health_probe(&req) {
+                        let _ = answer_health_probe(&mut s);
+                        continue;
+                    }
+                    let head = String::from_utf8_lossy(&req).into_owned();
+                    let path = head.split(' ').nth(1).unwrap_or("").to_string();
+                    if path == "/overlong" {
+                        let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello");
+                        std::thread::sleep(Duration::from_millis(3));
+                        let _ =
+                            s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nSMUGGLED");
+                        continue;
+                    }
+                    // A moment's work: each answer comes after the router has read the
+                    // one before it.
+                    std::thread::sleep(Duration::from_millis(1));
+                    let body = format!("you asked for {path}");
+                    let _ = s.write_all(
+                        format!(
+                            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+                            body.len()
+                        )
+                        .as_bytes(),
+                    );
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A broken peer's extra response, read as the next request's answer, used to shift every
+/// later answer on that pooled connection by one for as long as requests kept it busy
+/// (each one reads its predecessor's answer): client B got client A's completion. The pool
+/// now looks at a connection at least every 10 ms of use, which ends the shift. Requests
+/// 2 ms apart on one client connection (so one worker, one pooled connection): a few of the
+/// first answers may be wrong, all the later ones are right. The control: the first
+/// answer after `/overlong` is the peer's extra response, so the peer did break the
+/// connection.
+#[test]
+fn a_peers_extra_response_shifts_the_answers_of_a_pooled_connection_for_10_ms_at_most() {
+    let be = double_answer_backend();
+    let env = start(&[("r", route_for(&[be], ""))], "");
+    let c = connect(env.public());
+    let mut rd = BufReader::new(c.try_clone().unwrap());
+    let mut c = c;
+    let mut ask = |path: &str| {
+        c.write_all(format!("GET /r{path} HTTP/1.1\r\nHost: t\r\n\r\n").as_bytes())
+            .unwrap();
+        let r = read_response(&mut rd, false).unwrap();
+        String::from_utf8_lossy(&r.body).into_owned()
+    };
+    assert_eq!(ask("/overlong"), "hello");
+    let answered = Instant::now();
+    std::thread::sleep(Duration::from_millis(1));
+    // The next request takes the connection before its next look is due (unless this
+    // machine stalled the test that long).
+    let before_the_look = answered.elapsed() < Duration::from_millis(8);
+    let mut answers = Vec::new();
+    for i in 0..60 {
+        answers.push((i, ask(&format!("/c{i}"))));
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let wrong: Vec<_> = answers
+        .iter()
+        .filter(|(i, a)| *a != format!("you asked for /c{i}"))
+        .collect();
+    if before_the_look {
+        assert_eq!(answers[0].1, "SMUGGLED", "the control: {answers:?}");
+    }
+    assert!(
+        wrong.len() <= 10,
+        "{} wrong answers: {wrong:?}",
+        wrong.len()
+    );
+    assert!(
+        wrong.iter().all(|(i, _)| *i < 20),
+        "the shift ended: {wrong:?}"
+    );
+}

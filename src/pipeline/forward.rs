@@ -140,6 +140,9 @@ pub struct Exchanged {
     pub head_at: Instant,
     /// The request's buffer, sent, for reuse.
     pub req: Vec<u8>,
+    /// When the connection was last looked at for bytes nobody asked for (or made), for
+    /// the pool ([`UpstreamPool::take`]).
+    pub looked: Instant,
 }
 
 /// Per-request settings of an exchange.
@@ -178,9 +181,9 @@ pub async fn exchange(
     let mut reused = pooled.is_some();
     let mut buf = buf;
     let mut req = req;
-    let mut stream = match pooled {
-        Some(s) => s,
-        None => connect(peer.addr, t.connect, watch).await?,
+    let (mut stream, mut looked) = match pooled {
+        Some(p) => p,
+        None => (connect(peer.addr, t.connect, watch).await?, now),
     };
     loop {
         buf.clear();
@@ -195,6 +198,7 @@ pub async fn exchange(
                     first_byte_at,
                     head_at,
                     req,
+                    looked,
                 })
             }
             Err((SendError::BeforeAnyByte, b, Some(r))) if reused => {
@@ -203,6 +207,7 @@ pub async fn exchange(
                 // A keep-alive connection the peer closed while idle: not a retry.
                 reused = false;
                 stream = connect(peer.addr, t.connect, watch).await?;
+                looked = now;
             }
             Err((SendError::BeforeAnyByte, ..)) => return Err(ExchangeError::Closed),
             Err((SendError::Fatal(e), ..)) => return Err(e),

@@ -1094,9 +1094,12 @@ async fn proxy(
                     RelayEnd::Done { reusable } => {
                         if reusable && ex.head.reusable {
                             let done_at = stats.last_body_at.unwrap_or(ex.head_at);
-                            ctx.upstreams
-                                .borrow_mut()
-                                .put(routed.peer.addr, ex.stream, done_at);
+                            ctx.upstreams.borrow_mut().put(
+                                routed.peer.addr,
+                                ex.stream,
+                                done_at,
+                                ex.looked,
+                            );
                         }
                         keep
                     }
