@@ -109,6 +109,9 @@ pub struct RouteRt {
     /// The hit counter of each reject rule, by the rule's index (`cells::rule_slot_key`);
     /// `None` when the segment had no free slot (the hits then go uncounted).
     pub rule_slots: Vec<Option<RouteSlot>>,
+    /// The switches and overrides set for the whole route at runtime, for the pools a
+    /// reload adds (`pool_state::seed_from_route_wide`).
+    pub wide: crate::control::pool_state::PoolSlots,
 }
 
 impl RouteRt {
@@ -122,6 +125,7 @@ impl RouteRt {
     pub fn route_slots(&self) -> impl Iterator<Item = RouteSlot> + '_ {
         [self.slot, self.status_slot, self.prio_slot]
             .into_iter()
+            .chain([self.wide.ttft, self.wide.tps, self.wide.ctl])
             .chain(self.rule_slots.iter().flatten().copied())
             .chain(
                 self.pools
@@ -213,6 +217,8 @@ impl Snapshot {
             let slot = seg
                 .route_slot(&shorten_key(rc.name.clone()))
                 .ok_or_else(|| full(seg, false, &format!("route {}", rc.name)))?;
+            let wide = crate::control::pool_state::PoolSlots::route_wide(seg, &rc.name)
+                .ok_or_else(|| full(seg, false, &format!("the state of route {}", rc.name)))?;
             let mut pools = Vec::with_capacity(rc.pools.len());
             for pool in &rc.pools {
                 let mut peers = Vec::with_capacity(pool.peers.len());
@@ -244,6 +250,7 @@ impl Snapshot {
                     pool.model.as_deref(),
                 )
                 .ok_or_else(|| full(seg, false, &format!("the state of route {}", rc.name)))?;
+                crate::control::pool_state::seed_from_route_wide(seg, &slots, &wide);
                 pools.push(PoolRt {
                     model: pool.model.clone(),
                     peers,
@@ -278,6 +285,7 @@ impl Snapshot {
                     )
                 })?,
                 rule_slots: Vec::new(),
+                wide,
             });
         }
         // The rules' hit counters, resolved here rather than at a rule's first hit (an

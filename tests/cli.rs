@@ -2314,3 +2314,93 @@ fn status_shows_no_expired_ewma() {
     std::thread::sleep(Duration::from_millis(3500));
     assert_eq!(ttft(), "-");
 }
+
+/// SPEC §10 and §5.6: a switch or override set for a whole route at runtime (no `model=`)
+/// also covers a `peers_by_model` pool that a reload adds later; it used to leave the new
+/// pool on its defaults, the route half switched. The control: one set for one model only
+/// stays that model's.
+#[test]
+fn route_wide_runtime_settings_cover_a_pool_added_by_a_reload() {
+    let d = temp_dir("widereload");
+    let m = mock("m0");
+    let port = m.addr().port();
+    let pool = |model: &str| {
+        format!(
+            "\"{model}\" = [ {{ host = \"127.0.0.1\", port = {port}, max_concurrency = 1 }} ]\n"
+        )
+    };
+    let file = d.0.join("routes/pm.toml");
+    std::fs::write(&file, format!("[peers_by_model]\n{}", pool("m1"))).unwrap();
+    let p = start_serve(&d.0);
+    for set in [
+        "/pm/_rate_limit_toggle?on=0",
+        "/pm/_ttft_toggle?on=0",
+        "/pm/_ttft_limit?ms=5555&ttl=0",
+        "/pm/_tps_limit?tps=7&ttl=0",
+        "/pm/_tps_limit?tps=9&ttl=0&model=m1",
+    ] {
+        assert_eq!(request(p.public, &get(set)).status, 200, "{set}");
+    }
+    std::fs::write(
+        &file,
+        format!("[peers_by_model]\n{}{}", pool("m1"), pool("m2")),
+    )
+    .unwrap();
+    p.signal("HUP");
+    eventually(Duration::from_secs(5), "m2 served by every worker", || {
+        (0..4).all(|_| {
+            request(p.public, &get("/pm/_rate_limit_status")).json()["pools"]["m2"].is_object()
+        })
+    });
+    let rl = request(p.public, &get("/pm/_rate_limit_status")).json();
+    for model in ["m1", "m2"] {
+        assert_eq!(
+            (
+                &rl["pools"][model]["enabled"],
+                &rl["pools"][model]["source"]
+            ),
+            (&serde_json::json!(false), &serde_json::json!("runtime")),
+            "{model}: {rl}"
+        );
+    }
+    let ttft = request(p.public, &get("/pm/_ttft_limit")).json();
+    assert_eq!(ttft["pools"]["m2"]["override"], 5555.0, "{ttft}");
+    let tps = request(p.public, &get("/pm/_tps_limit")).json();
+    // The route-wide 7 reaches m2; m1 keeps the 9 set for it alone.
+    assert_eq!(
+        (
+            &tps["pools"]["m1"]["override"],
+            &tps["pools"]["m2"]["override"]
+        ),
+        (&serde_json::json!(9.0), &serde_json::json!(7.0)),
+        "{tps}"
+    );
+    let st = request(p.public, &get("/pm/_ttft_status")).json();
+    assert_eq!(st["pools"]["m2"]["runtime_off"], true, "{st}");
+    // In force: the rate limit is off for m2 too, so a second request over its limit of
+    // one goes through.
+    let held = {
+        let addr = p.public;
+        std::thread::spawn(move || {
+            request(
+                addr,
+                &post_json(
+                    "/pm/v1/chat/completions",
+                    &chat_body("x", false).replace("mock-model", "m2"),
+                    "x-mock-hang-ms: 1500\r\n",
+                ),
+            )
+        })
+    };
+    std::thread::sleep(Duration::from_millis(400));
+    let r = request(
+        p.public,
+        &post_json(
+            "/pm/v1/chat/completions",
+            &chat_body("x", false).replace("mock-model", "m2"),
+            "",
+        ),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(held.join().unwrap().status, 200);
+}

@@ -164,6 +164,18 @@ pub fn handle(
     if pools.is_empty() {
         return bad("no such model on this route");
     }
+    // What is set for the whole route (no `model=`) is also kept in the route's record,
+    // for the pools a reload adds later; read back, it is not one of the route's pools.
+    let wide = PoolRt {
+        model: None,
+        peers: Vec::new(),
+        slots: r.wide,
+    };
+    let targets: Vec<&PoolRt> = if model.is_none() {
+        pools.iter().copied().chain([&wide]).collect()
+    } else {
+        pools.clone()
+    };
     let sig = if name.starts_with("ttft") {
         Signal::Ttft
     } else {
@@ -181,7 +193,7 @@ pub fn handle(
                 Some(on) => on,
                 None => return bad("use ?on=0 (disable) | ?on=1 (enable)"),
             };
-            for p in &pools {
+            for p in &targets {
                 ps::set_gate_off(seg, sig.slot(p), !on);
             }
             Some(Response::json(
@@ -200,10 +212,10 @@ pub fn handle(
             };
             if let Some(v) = query_param(q, key) {
                 match v.parse::<f64>() {
-                    Ok(0.0) => pools
+                    Ok(0.0) => targets
                         .iter()
                         .for_each(|p| ps::set_threshold_override(seg, sig.slot(p), None, now_s)),
-                    Ok(x) if x > 0.0 && x.is_finite() => pools.iter().for_each(|p| {
+                    Ok(x) if x > 0.0 && x.is_finite() => targets.iter().for_each(|p| {
                         ps::set_threshold_override(seg, sig.slot(p), Some((x, ttl)), now_s)
                     }),
                     _ => return bad("the limit must be a number ≥ 0 (0 clears the override)"),
@@ -225,7 +237,7 @@ pub fn handle(
             let Some(v) = switch_value(q) else {
                 return bad("use ?on=0 | ?on=1 | ?reset=1");
             };
-            for p in &pools {
+            for p in &targets {
                 ps::ctl_cell(seg, p.slots.ctl, ctl::RATE_LIMIT).store(v, Relaxed);
             }
             Some(Response::json(200, &rate_limit_status(ctx, r)))

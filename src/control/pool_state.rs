@@ -43,6 +43,9 @@ pub mod ctl {
     pub const AIMD_AT_S: usize = 1;
     /// Concurrency 429s since the last AIMD tick (read and cleared by the tick).
     pub const REJ: usize = 2;
+    /// 1 once the pool has taken its route's route-wide overrides (see
+    /// [`super::seed_from_route_wide`]); a new slot is all zeros.
+    pub const SEEDED: usize = 3;
     /// Rate-limit master switch override: 0 = none, 1 = on, 2 = off.
     pub const RATE_LIMIT: usize = 4;
     /// Concurrency-gate trips while the master switch was off.
@@ -65,6 +68,23 @@ pub struct PoolSlots {
 
 impl PoolSlots {
     pub fn new(seg: &Segment, route: &str, model: Option<&str>) -> Option<PoolSlots> {
+        Self::keyed(seg, route, model, ["ttft", "tps", "ctl"])
+    }
+
+    /// A route's route-wide record: the runtime switches and overrides an endpoint set
+    /// for the whole route (no `model=`), in the layout of a pool's, so that a pool added
+    /// to the route later (by a reload) takes them too ([`seed_from_route_wide`]). No pool
+    /// reads it.
+    pub fn route_wide(seg: &Segment, route: &str) -> Option<PoolSlots> {
+        Self::keyed(seg, route, None, ["ttft*", "tps*", "ctl*"])
+    }
+
+    fn keyed(
+        seg: &Segment,
+        route: &str,
+        model: Option<&str>,
+        [ttft, tps, ctl]: [&str; 3],
+    ) -> Option<PoolSlots> {
         let key = |kind: &str| {
             let k = format!("{route}#{kind}:{}", model.unwrap_or(""));
             if k.len() <= warmroute_shm::MAX_KEY_BYTES {
@@ -74,11 +94,40 @@ impl PoolSlots {
             }
         };
         Some(PoolSlots {
-            ttft: seg.route_slot(&key("ttft"))?,
-            tps: seg.route_slot(&key("tps"))?,
-            ctl: seg.route_slot(&key("ctl"))?,
+            ttft: seg.route_slot(&key(ttft))?,
+            tps: seg.route_slot(&key(tps))?,
+            ctl: seg.route_slot(&key(ctl))?,
         })
     }
+}
+
+/// A pool new to the segment takes the switches and overrides set for its whole route
+/// before it existed (`wide`, [`PoolSlots::route_wide`]): the rate-limit switch, the TTFT
+/// and decode-rate gates turned off, and their threshold overrides. Only what is set is
+/// copied, and only once per pool (a pool's own later settings stay its own). Workers
+/// building their snapshots at once copy the same values.
+pub fn seed_from_route_wide(seg: &Segment, pool: &PoolSlots, wide: &PoolSlots) {
+    let seeded = cell(seg, pool.ctl, ctl::SEEDED);
+    if seeded.load(Relaxed) != 0 {
+        return;
+    }
+    let copy = |from: RouteSlot, to: RouteSlot, cells: &[usize]| {
+        for &i in cells {
+            let v = cell(seg, from, i).load(Relaxed);
+            if v != 0 {
+                cell(seg, to, i).store(v, Relaxed);
+            }
+        }
+    };
+    copy(wide.ctl, pool.ctl, &[ctl::RATE_LIMIT]);
+    for (w, p) in [(wide.ttft, pool.ttft), (wide.tps, pool.tps)] {
+        copy(w, p, &[win::OFF]);
+        // The override's value before its expiry, so that it is whole when it shows.
+        if cell(seg, w, win::OVERRIDE_UNTIL_S).load(Relaxed) != 0 {
+            copy(w, p, &[win::OVERRIDE_BITS, win::OVERRIDE_UNTIL_S]);
+        }
+    }
+    seeded.store(1, Relaxed);
 }
 
 fn cell(seg: &Segment, slot: RouteSlot, i: usize) -> &AtomicU64 {
