@@ -854,9 +854,10 @@ fn serve_holding_one(
 
 #[test]
 fn a_crashed_router_leaves_no_phantom_in_flight() {
-    let (d, _m, mut p, s) = serve_holding_one("crash", 10_000);
+    let (d, m, mut p, s) = serve_holding_one("crash", 10_000);
+    let peer = m.addr().to_string();
     let r = request(p.public, &get("/a/_active_conns"));
-    assert_eq!(r.json()["p0"], 1, "control: the request is counted");
+    assert_eq!(r.json()[&peer], 1, "control: the request is counted");
     p.signal("KILL");
     p.wait_exit(Duration::from_secs(5)).expect("killed");
     drop(s);
@@ -873,7 +874,7 @@ fn a_crashed_router_leaves_no_phantom_in_flight() {
     };
     assert!(wait_ready_or_exit(&mut q, &d.0), "the second router exited");
     let r = request(q.public, &get("/a/_active_conns"));
-    assert_eq!(r.json()["p0"], 0);
+    assert_eq!(r.json()[&peer], 0);
 }
 
 /// SPEC §11: a router killed while it drains after a takeover leaves rows with in-flight
@@ -881,7 +882,8 @@ fn a_crashed_router_leaves_no_phantom_in_flight() {
 /// pool slots until yet another router started.
 #[test]
 fn a_router_killed_while_draining_leaves_no_phantom_in_flight() {
-    let (d, _m, mut old, s) = serve_holding_one("crash-drain", 20_000);
+    let (d, m, mut old, s) = serve_holding_one("crash-drain", 20_000);
+    let peer = m.addr().to_string();
     let child = spawn_serve(&d.0.join("warmroute.toml"), &["--takeover"]);
     let mut new = Proc {
         child,
@@ -896,7 +898,7 @@ fn a_router_killed_while_draining_leaves_no_phantom_in_flight() {
     let active = || {
         try_request(new.public, &get("/a/_active_conns"))
             .ok()
-            .map(|r| r.json()["p0"].clone())
+            .map(|r| r.json()[&peer].clone())
     };
     eventually(Duration::from_secs(5), "the old request counted", || {
         active() == Some(1.into())

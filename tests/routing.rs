@@ -733,9 +733,23 @@ fn debug_endpoints_explain_and_dry_run_routing() {
     // _active_conns_set writes only from loopback and changes what the gate sees.
     let r = request(env.public(), &get("/r/_active_conns_set?peer=p0&value=5"));
     assert_eq!(r.json()["ok"], true);
+    let conns = request(env.public(), &get("/r/_active_conns")).json();
+    let by_addr = conns.as_object().unwrap();
     assert_eq!(
-        request(env.public(), &get("/r/_active_conns")).json()["p0"],
-        5
+        by_addr
+            .values()
+            .filter_map(|v| v.as_i64())
+            .collect::<Vec<_>>()
+            .iter()
+            .sum::<i64>(),
+        5,
+        "{conns}"
+    );
+    assert!(
+        by_addr
+            .keys()
+            .all(|k| k.parse::<std::net::SocketAddr>().is_ok()),
+        "{conns}"
     );
     request(env.public(), &get("/r/_active_conns_set?flush=1"));
     assert_eq!(inflight_total(&env, "r"), 0);
@@ -878,4 +892,41 @@ fn sticky_table_places_new_sessions_by_load_and_keeps_them_there() {
         serde_json::Value::Null,
         "debug placed nothing"
     );
+}
+
+/// `_active_conns` and `_health_status` key peers by address, as the reference does, and
+/// agree with each other: an address several model pools share is one entry with their
+/// in-flight summed, and two pools' peers that share a name but not an address stay two
+/// entries. `_active_conns` summed by name, mixing two addresses, and `_health_status` kept
+/// only the last pool's entry of a shared address.
+#[test]
+fn the_peer_endpoints_key_by_address_and_agree_on_shared_addresses() {
+    let (a, b) = (mock("a"), mock("b"));
+    let (pa, pb) = (a.addr().port(), b.addr().port());
+    let route = format!(
+        "[peers_by_model]\n\
+         \"m1\" = [ {{ host = \"127.0.0.1\", port = {pa}, name = \"x\" }} ]\n\
+         \"m2\" = [ {{ host = \"127.0.0.1\", port = {pb}, name = \"x\" }} ]\n\
+         \"m3\" = [ {{ host = \"127.0.0.1\", port = {pa} }} ]\n"
+    );
+    let env = start(&[("r", route)], "");
+    let (ka, kb) = (a.addr().to_string(), b.addr().to_string());
+    for (peer, v) in [(&kb, 5), (&ka, 3)] {
+        let r = request(
+            env.public(),
+            &get(&format!("/r/_active_conns_set?peer={peer}&value={v}")),
+        );
+        assert_eq!(r.json()["ok"], true);
+    }
+    // m1 and m3 both hold 3 at address a: 6 there; 5 at b.
+    let conns = request(env.public(), &get("/r/_active_conns")).json();
+    assert_eq!(conns, serde_json::json!({ka.clone(): 6, kb.clone(): 5}));
+    let health = request(env.public(), &get("/r/_health_status")).json();
+    assert_eq!(
+        (&health[&ka]["active"], &health[&kb]["active"]),
+        (&serde_json::json!(6), &serde_json::json!(5)),
+        "{health}"
+    );
+    request(env.public(), &get("/r/_active_conns_set?flush=1"));
+    assert_eq!(inflight_total(&env, "r"), 0);
 }

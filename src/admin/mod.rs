@@ -342,8 +342,9 @@ fn route_endpoint(
             let mut m = Map::new();
             for p in route.all_peers() {
                 let v = seg.inflight(p.slot);
-                // Peers shared by several model pools are summed under one name.
-                let e = m.entry(p.name.clone()).or_insert(json!(0));
+                // Keyed by address, as the reference's (notes-edges §4.1): an address
+                // several model pools share is summed, whatever each pool names it.
+                let e = m.entry(p.addr.to_string()).or_insert(json!(0));
                 *e = json!(e.as_i64().unwrap_or(0) + v);
             }
             Response::json(200, &Value::Object(m))
@@ -354,6 +355,17 @@ fn route_endpoint(
                 let until = seg.banned_until_ms(p.slot);
                 let cell = |i| seg.peer_cell(p.slot, i).load(Relaxed);
                 let probe_at = cell(cells::peer::PROBE_AT_MS);
+                // An address several model pools share is one entry, as in
+                // `_active_conns`: its in-flight summed, banned when any pool's is; the
+                // rest is the first pool's.
+                if let Some(Value::Object(e)) = m.get_mut(&p.addr.to_string()) {
+                    let active = e["active"].as_i64().unwrap_or(0) + seg.inflight(p.slot);
+                    e.insert("active".into(), json!(active));
+                    if until > now {
+                        e.insert("banned".into(), json!(true));
+                    }
+                    continue;
+                }
                 m.insert(
                     p.addr.to_string(),
                     json!({
