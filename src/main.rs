@@ -127,7 +127,10 @@ fn init_logging(json: bool) {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         // Never waits on a full stderr pipe: a worker that logs while nobody reads drops
         // the line and counts it (`warmroute_log_dropped_total`).
-        .with_writer(warmroute::worker::stderr::LogStderr::open());
+        .with_writer(warmroute::worker::stderr::LogStderr::open())
+        // A line it cannot write is dropped by the writer; the formatter's own report of a
+        // failed write would go through `eprintln!`, which panics on a broken stderr.
+        .log_internal_errors(false);
     if json {
         b.json().init();
     } else {
@@ -316,7 +319,32 @@ fn install_signals() -> Option<signal_hook::iterator::Signals> {
         .ok()
 }
 
+/// An `--access-log` file that cannot be opened stops the start with the reason; each
+/// worker opening it later would turn the log off without a word.
+fn access_log_opens(overrides: &Overrides) -> bool {
+    let Some(AccessLogTarget::File(path)) = &overrides.access_log else {
+        return true;
+    };
+    match std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!(
+                "warmroute: cannot start:\n--access-log {}: {e}",
+                path.display()
+            );
+            false
+        }
+    }
+}
+
 fn serve(source: ConfigSource, overrides: Overrides) -> ExitCode {
+    if !access_log_opens(&overrides) {
+        return ExitCode::FAILURE;
+    }
     let Some(signals) = install_signals() else {
         return ExitCode::FAILURE;
     };
@@ -340,7 +368,8 @@ fn run_until_signalled(
     mut router: Router,
     mut signals: signal_hook::iterator::Signals,
 ) -> ExitCode {
-    let drain_default = Duration::from_secs(router.config.server.drain_timeout_s);
+    // Read when the drain starts: a reload may have changed it.
+    let drain_default = |r: &Router| Duration::from_secs(r.config.server.drain_timeout_s);
     // Signals arrive on a thread of their own that blocks until one comes, so this thread
     // sleeps until a signal or the next look at the files: no polling tick between them.
     let (tx, rx) = crossbeam_channel::bounded(16);
@@ -356,7 +385,8 @@ fn run_until_signalled(
         });
     if let Err(e) = forwarder {
         tracing::error!(error = %e, "cannot start the signal thread; stopping");
-        router.shutdown(drain_default);
+        let t = drain_default(&router);
+        router.shutdown(t);
         return ExitCode::FAILURE;
     }
     let mut stamp = router.watch_stamp();
@@ -396,13 +426,15 @@ fn run_until_signalled(
                 break ExitCode::SUCCESS;
             }
             Ok(_) => {
-                tracing::info!(timeout_s = drain_default.as_secs(), "draining");
-                router.shutdown(drain_default);
+                let t = drain_default(&router);
+                tracing::info!(timeout_s = t.as_secs(), "draining");
+                router.shutdown(t);
                 break ExitCode::SUCCESS;
             }
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
                 tracing::error!("the signal thread stopped; draining");
-                router.shutdown(drain_default);
+                let t = drain_default(&router);
+                router.shutdown(t);
                 break ExitCode::FAILURE;
             }
         }

@@ -298,7 +298,10 @@ enum ReloadCause {
 impl Router {
     pub fn start(source: ConfigSource, overrides: Overrides) -> Result<Router, StartError> {
         let config = source.load().map_err(StartError::Config)?;
-        for w in config.warnings.iter().chain(&config.soft_errors) {
+        for w in &config.soft_errors {
+            tracing::error!("{w}");
+        }
+        for w in &config.warnings {
             tracing::warn!("{w}");
         }
         let config = apply_overrides(config, &overrides);
@@ -437,7 +440,12 @@ impl Router {
                 ),
             }]);
         }
-        for w in fresh.warnings.iter().chain(&fresh.soft_errors) {
+        // A value that is not what its option takes (the default applies) is an error (SPEC
+        // §2.2), logged as one; a value read with a warning (a boolean as a string) is not.
+        for w in &fresh.soft_errors {
+            tracing::error!("{w}");
+        }
+        for w in &fresh.warnings {
             tracing::warn!("{w}");
         }
         let mut fresh = apply_overrides(fresh, &self.overrides);
@@ -450,6 +458,9 @@ impl Router {
             fresh.server.listen = old.listen;
             fresh.server.admin_listen = old.admin_listen;
             fresh.server.shm_path = old.shm_path.clone();
+        }
+        if fresh.server.workers != old.workers {
+            tracing::warn!("workers changes only on restart or takeover; keeping the running ones");
         }
         let fresh = Arc::new(fresh);
         let keys = Arc::new(load_keys(&fresh, Some(&self.keys)));

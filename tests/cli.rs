@@ -2406,3 +2406,100 @@ fn route_wide_runtime_settings_cover_a_pool_added_by_a_reload() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(held.join().unwrap().status, 200);
 }
+
+/// SPEC §1 and §12: a log reader that goes away (`warmroute serve 2>&1 | head -1`, a log
+/// shipper that dies) leaves the router serving and draining as usual. It used to abort:
+/// the log formatter reported the failed write with `eprintln!`, which panics on a broken
+/// stderr, and the panic's own report failed the same way. The control: the stream started
+/// before SIGTERM finishes whole, and the router exits 0.
+#[test]
+fn a_log_reader_that_goes_away_neither_aborts_the_router_nor_cuts_its_drain() {
+    let d = temp_dir("brokenerr");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let (reader, writer) = std::io::pipe().unwrap();
+    let mut p = start_serve_spawning(&d.0, "", |cfg| {
+        spawn_serve_to(
+            cfg,
+            &["--access-log", "stderr"],
+            writer.try_clone().unwrap().into(),
+        )
+    });
+    drop(writer);
+    drop(reader);
+    // Requests and log lines into the broken pipe.
+    for _ in 0..20 {
+        assert_eq!(chat_status_without_key(&p, "a"), 200);
+    }
+    let mut s = connect(p.public);
+    s.write_all(&post_json(
+        "/a/v1/chat/completions",
+        &chat_body("x", true),
+        "x-mock-tokens: 10\r\nx-mock-interval-ms: 100\r\n",
+    ))
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    p.signal("TERM");
+    let resp = read_response(&mut BufReader::new(s), false).unwrap();
+    assert!(resp.text().contains("[DONE]"), "{}", resp.text());
+    let status = p.wait_exit(Duration::from_secs(10)).expect("exited");
+    assert_eq!(status.code(), Some(0), "{status:?}");
+}
+
+/// SPEC §2 and §1: start-up refuses, with the reason, an `--access-log` file it cannot open
+/// (the workers used to turn the log off without a word) and a `shm_path` naming a file
+/// that is not a segment (it used to be overwritten). The control: the same start with a
+/// writable log and a fresh segment path serves.
+#[test]
+fn start_up_refuses_an_unopenable_access_log_and_a_file_that_is_not_a_segment() {
+    let d = temp_dir("refusals");
+    let run = |args: &[&str], shm: &Path| {
+        let out = Command::new(BIN)
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ])
+            .args(args)
+            .arg("--shm")
+            .arg(shm)
+            .current_dir(&d.0)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let fresh = d.0.join("segment");
+    let (code, err) = run(&["--access-log", "/nonexistent-dir/access.log"], &fresh);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("cannot start:\n--access-log /nonexistent-dir/access.log: No such file"),
+        "{err}"
+    );
+    let data = d.0.join("notes.txt");
+    std::fs::write(&data, "important data\n").unwrap();
+    let (code, err) = run(&[], &data);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("is not a warmroute segment"), "{err}");
+    assert_eq!(std::fs::read_to_string(&data).unwrap(), "important data\n");
+    // The control: a writable log and a path with no file start (and are stopped).
+    let log = d.0.join("access.log");
+    let cfg = server_file(&d.0, free_port(), free_port(), &fresh);
+    let mut child = spawn_serve(&cfg, &["--access-log", log.to_str().unwrap()]);
+    let t0 = Instant::now();
+    while !fresh.exists() && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the control start failed"
+    );
+    assert!(fresh.exists() && log.exists());
+    child.kill().unwrap();
+    child.wait().unwrap();
+}

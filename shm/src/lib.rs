@@ -500,6 +500,22 @@ impl Segment {
             .open(path)?;
         let _lock = FileLock::new(&file, true)?;
         let len = file.metadata()?.len();
+        // A file that was never a segment (a mistyped `shm_path` naming someone's data) is
+        // not overwritten. One that starts with zeros may be a segment whose creation was
+        // cut before its magic was stored: that one is made anew.
+        if len > 0 {
+            let mut first = [0u8; 8];
+            let n = std::os::unix::fs::FileExt::read_at(&file, &mut first, 0)?;
+            if first[..n] != MAGIC.to_le_bytes()[..n] && first[..n].iter().any(|&b| b != 0) {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!(
+                        "shared segment {}: the file exists ({len} bytes) and is not a warmroute segment; not overwriting it: remove it or set another shm_path",
+                        path.display()
+                    ),
+                ));
+            }
+        }
         if len >= size_of::<Header>() as u64 {
             let map = map_file(&file, len)?;
             let info = read_header(&map).ok_or_else(|| io::Error::other("header not mapped"))?;

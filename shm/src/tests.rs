@@ -168,7 +168,18 @@ fn short_or_garbage_files() {
     std::fs::write(&t.0, vec![0xAB; 4096]).unwrap();
     let e = Segment::open_existing(&t.0).unwrap_err();
     assert!(e.to_string().contains("magic"), "{e}");
-    // a garbage file without live owners is simply reinitialised
+    // a file that is not a segment (someone's data at a mistyped path) is not overwritten
+    let e = Segment::open_or_create(&t.0, small()).unwrap_err();
+    assert!(e.to_string().contains("is not a warmroute segment"), "{e}");
+    assert_eq!(std::fs::read(&t.0).unwrap(), vec![0xAB; 4096]);
+    std::fs::write(&t.0, b"hello").unwrap();
+    assert!(
+        Segment::open_or_create(&t.0, small()).is_err(),
+        "short text"
+    );
+    assert_eq!(std::fs::read(&t.0).unwrap(), b"hello");
+    // the control: an empty file (as `open` with O_CREAT leaves it) is made a segment
+    std::fs::write(&t.0, b"").unwrap();
     let s = Segment::open_or_create(&t.0, small()).unwrap();
     assert!(s.peer_keys().is_empty());
     drop(s);

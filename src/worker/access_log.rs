@@ -95,6 +95,17 @@ impl AccessLog {
                 Ok(0) => break,
                 Ok(n) => done += n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                // The reader of the pipe went away for good: the lines held are dropped
+                // and counted, and no later line is made (it was written again on every
+                // tick, thousands of times a minute).
+                Err(e) if e.kind() == io::ErrorKind::BrokenPipe => {
+                    let held = self.buf[done..].iter().filter(|&&b| b == b'\n').count();
+                    self.dropped += held as u64;
+                    self.buf.clear();
+                    self.out = None;
+                    self.stalled = false;
+                    return;
+                }
                 Err(_) => break,
             }
         }
@@ -470,6 +481,29 @@ mod tests {
             })
             .collect();
         assert_eq!(ns, (0..=LINES).collect::<Vec<_>>());
+    }
+
+    /// A pipe whose reader went away: the held lines are dropped and counted at once, and
+    /// the log stops making lines, instead of writing them again on every tick. The
+    /// control: with the reader there, the same lines are written.
+    #[test]
+    fn a_pipe_whose_reader_left_drops_the_lines_once_and_stops() {
+        use std::io::Read;
+        let (mut reader, writer) = std::io::pipe().unwrap();
+        let mut log = AccessLog::to(Some(non_blocking(&writer)));
+        log.line(|l| l.u64("n", 1));
+        log.flush();
+        let mut got = [0u8; 8];
+        reader.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"{\"n\":1}\n");
+        drop(reader);
+        log.line(|l| l.u64("n", 2));
+        log.line(|l| l.u64("n", 3));
+        log.flush();
+        assert_eq!(log.dropped(), 2);
+        assert!(log.buf.is_empty() && !log.enabled());
+        log.line(|l| l.u64("n", 4));
+        assert!(log.buf.is_empty());
     }
 
     #[test]

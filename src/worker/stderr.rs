@@ -89,20 +89,26 @@ impl Write for LogLine<'_> {
     /// (a backtrace under `RUST_BACKTRACE=1`) can be cut where the pipe filled, and the next
     /// line then continues it: the partial write filled the pipe, so not even a newline
     /// would fit to end it.
+    ///
+    /// A line that cannot be written for any other reason (the reader of the pipe went
+    /// away: `EPIPE`) is dropped and counted too. An error would reach the formatter, which
+    /// reports it with `eprintln!`, and that panics on a broken stderr: the router aborted
+    /// when whoever read its log went away.
     fn write_all(&mut self, mut buf: &[u8]) -> io::Result<()> {
         let Some(mut f) = self.0 else {
-            return io::stderr().write_all(buf);
+            if io::stderr().write_all(buf).is_err() {
+                LOG_LINES_DROPPED.fetch_add(1, Relaxed);
+            }
+            return Ok(());
         };
         while !buf.is_empty() {
             match f.write(buf) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => buf = &buf[n..],
+                Ok(n) if n > 0 => buf = &buf[n..],
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                _ => {
                     LOG_LINES_DROPPED.fetch_add(1, Relaxed);
                     return Ok(());
                 }
-                Err(e) => return Err(e),
             }
         }
         Ok(())
