@@ -2503,3 +2503,43 @@ fn start_up_refuses_an_unopenable_access_log_and_a_file_that_is_not_a_segment() 
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+/// SPEC §12: a `drain_timeout_s` changed by a reload is the one the next drain keeps (it
+/// used to be read once at start). The control: the stream that outlives the new limit is
+/// cut at it, with the old limit of 300 s it would have run its 20 s.
+#[test]
+fn a_reloaded_drain_timeout_is_the_one_a_drain_keeps() {
+    let d = temp_dir("draintimeout");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let mut p = start_serve_with(&d.0, "drain_timeout_s = 300\n", &[]);
+    let cfg = d.0.join("warmroute.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(
+        &cfg,
+        text.replace("drain_timeout_s = 300", "drain_timeout_s = 1"),
+    )
+    .unwrap();
+    p.signal("HUP");
+    std::thread::sleep(Duration::from_millis(500));
+    let mut s = connect(p.public);
+    s.write_all(&post_json(
+        "/a/v1/chat/completions",
+        &chat_body("x", true),
+        "x-mock-tokens: 200\r\nx-mock-interval-ms: 100\r\n",
+    ))
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    p.signal("TERM");
+    let status = p.wait_exit(Duration::from_secs(10)).expect("exited");
+    let took = t0.elapsed();
+    assert!(status.success(), "{status:?}");
+    assert!(took < Duration::from_secs(5), "drained for {took:?}");
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    assert!(
+        !String::from_utf8_lossy(&rest).contains("[DONE]"),
+        "the stream was cut"
+    );
+}
