@@ -111,7 +111,7 @@ pub struct RouteRt {
     pub rule_slots: Vec<Option<RouteSlot>>,
     /// The switches and overrides set for the whole route at runtime, for the pools a
     /// reload adds (`pool_state::seed_from_route_wide`).
-    pub wide: crate::control::pool_state::PoolSlots,
+    pub wide: RouteSlot,
 }
 
 impl RouteRt {
@@ -125,7 +125,7 @@ impl RouteRt {
     pub fn route_slots(&self) -> impl Iterator<Item = RouteSlot> + '_ {
         [self.slot, self.status_slot, self.prio_slot]
             .into_iter()
-            .chain([self.wide.ttft, self.wide.tps, self.wide.ctl])
+            .chain([self.wide])
             .chain(self.rule_slots.iter().flatten().copied())
             .chain(
                 self.pools
@@ -217,7 +217,7 @@ impl Snapshot {
             let slot = seg
                 .route_slot(&shorten_key(rc.name.clone()))
                 .ok_or_else(|| full(seg, false, &format!("route {}", rc.name)))?;
-            let wide = crate::control::pool_state::PoolSlots::route_wide(seg, &rc.name)
+            let wide = crate::control::pool_state::wide_slot(seg, &rc.name)
                 .ok_or_else(|| full(seg, false, &format!("the state of route {}", rc.name)))?;
             let mut pools = Vec::with_capacity(rc.pools.len());
             for pool in &rc.pools {
@@ -250,7 +250,7 @@ impl Snapshot {
                     pool.model.as_deref(),
                 )
                 .ok_or_else(|| full(seg, false, &format!("the state of route {}", rc.name)))?;
-                crate::control::pool_state::seed_from_route_wide(seg, &slots, &wide);
+                crate::control::pool_state::seed_from_route_wide(seg, &slots, wide);
                 pools.push(PoolRt {
                     model: pool.model.clone(),
                     peers,
@@ -450,7 +450,7 @@ mod tests {
                 "[[reject_rules]]\nname = \"r{k}\"\nfield = \"model\"\nop = \"eq\"\nvalue = \"m{k}\"\n"
             ));
         }
-        // "a" (6 rows, 8 rules) sorts before "b" (6 rows): 20 rows wanted, 16 there.
+        // "a" (7 rows, 8 rules) sorts before "b" (7 rows): 22 rows wanted, 16 there.
         let cfg = crate::config::load_from_strs(None, &[("a", many.as_str()), ("b", peers)])
             .unwrap_or_else(|e| panic!("config: {e:?}"));
         let keys = Arc::new(crate::auth::load_key_file(None));
@@ -459,7 +459,7 @@ mod tests {
         let snap = snap.expect("the routes' own rows come first");
         let a = snap.route("a").unwrap();
         assert_eq!(a.rule_slots.len(), 8);
-        assert_eq!(a.rule_slots.iter().filter(|s| s.is_some()).count(), 4);
+        assert_eq!(a.rule_slots.iter().filter(|s| s.is_some()).count(), 2);
         assert!(snap.route("b").unwrap().rule_slots.is_empty());
         assert_eq!(seg.slots_taken().1, 16);
     }

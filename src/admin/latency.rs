@@ -165,17 +165,8 @@ pub fn handle(
         return bad("no such model on this route");
     }
     // What is set for the whole route (no `model=`) is also kept in the route's record,
-    // for the pools a reload adds later; read back, it is not one of the route's pools.
-    let wide = PoolRt {
-        model: None,
-        peers: Vec::new(),
-        slots: r.wide,
-    };
-    let targets: Vec<&PoolRt> = if model.is_none() {
-        pools.iter().copied().chain([&wide]).collect()
-    } else {
-        pools.clone()
-    };
+    // for the pools a reload adds later.
+    let route_wide = model.is_none();
     let sig = if name.starts_with("ttft") {
         Signal::Ttft
     } else {
@@ -193,8 +184,11 @@ pub fn handle(
                 Some(on) => on,
                 None => return bad("use ?on=0 (disable) | ?on=1 (enable)"),
             };
-            for p in &targets {
+            for p in &pools {
                 ps::set_gate_off(seg, sig.slot(p), !on);
+            }
+            if route_wide {
+                ps::set_wide_gate_off(seg, r.wide, sig.index(), !on);
             }
             Some(Response::json(
                 200,
@@ -212,12 +206,15 @@ pub fn handle(
             };
             if let Some(v) = query_param(q, key) {
                 match v.parse::<f64>() {
-                    Ok(0.0) => targets
-                        .iter()
-                        .for_each(|p| ps::set_threshold_override(seg, sig.slot(p), None, now_s)),
-                    Ok(x) if x > 0.0 && x.is_finite() => targets.iter().for_each(|p| {
-                        ps::set_threshold_override(seg, sig.slot(p), Some((x, ttl)), now_s)
-                    }),
+                    Ok(x) if x == 0.0 || (x > 0.0 && x.is_finite()) => {
+                        let v = (x > 0.0).then_some((x, ttl));
+                        for p in &pools {
+                            ps::set_threshold_override(seg, sig.slot(p), v, now_s);
+                        }
+                        if route_wide {
+                            ps::set_wide_override(seg, r.wide, sig.index(), v, now_s);
+                        }
+                    }
                     _ => return bad("the limit must be a number ≥ 0 (0 clears the override)"),
                 }
             }
@@ -237,8 +234,11 @@ pub fn handle(
             let Some(v) = switch_value(q) else {
                 return bad("use ?on=0 | ?on=1 | ?reset=1");
             };
-            for p in &targets {
+            for p in &pools {
                 ps::ctl_cell(seg, p.slots.ctl, ctl::RATE_LIMIT).store(v, Relaxed);
+            }
+            if route_wide {
+                ps::set_wide_rate_limit(seg, r.wide, v);
             }
             Some(Response::json(200, &rate_limit_status(ctx, r)))
         }

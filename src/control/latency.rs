@@ -43,6 +43,13 @@ impl Signal {
             Signal::Tps => pool.slots.tps,
         }
     }
+    /// The signal's index in per-signal tables: TTFT 0, decode rate 1.
+    pub fn index(self) -> usize {
+        match self {
+            Signal::Ttft => 0,
+            Signal::Tps => 1,
+        }
+    }
     pub fn name(self) -> &'static str {
         match self {
             Signal::Ttft => "ttft",

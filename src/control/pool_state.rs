@@ -68,23 +68,6 @@ pub struct PoolSlots {
 
 impl PoolSlots {
     pub fn new(seg: &Segment, route: &str, model: Option<&str>) -> Option<PoolSlots> {
-        Self::keyed(seg, route, model, ["ttft", "tps", "ctl"])
-    }
-
-    /// A route's route-wide record: the runtime switches and overrides an endpoint set
-    /// for the whole route (no `model=`), in the layout of a pool's, so that a pool added
-    /// to the route later (by a reload) takes them too ([`seed_from_route_wide`]). No pool
-    /// reads it.
-    pub fn route_wide(seg: &Segment, route: &str) -> Option<PoolSlots> {
-        Self::keyed(seg, route, None, ["ttft*", "tps*", "ctl*"])
-    }
-
-    fn keyed(
-        seg: &Segment,
-        route: &str,
-        model: Option<&str>,
-        [ttft, tps, ctl]: [&str; 3],
-    ) -> Option<PoolSlots> {
         let key = |kind: &str| {
             let k = format!("{route}#{kind}:{}", model.unwrap_or(""));
             if k.len() <= warmroute_shm::MAX_KEY_BYTES {
@@ -94,40 +77,89 @@ impl PoolSlots {
             }
         };
         Some(PoolSlots {
-            ttft: seg.route_slot(&key(ttft))?,
-            tps: seg.route_slot(&key(tps))?,
-            ctl: seg.route_slot(&key(ctl))?,
+            ttft: seg.route_slot(&key("ttft"))?,
+            tps: seg.route_slot(&key("tps"))?,
+            ctl: seg.route_slot(&key("ctl"))?,
         })
     }
 }
 
+/// A route's route-wide record: the runtime switches and overrides an endpoint set for
+/// the whole route (no `model=`), so that a pool added to the route later (by a reload)
+/// takes them too ([`seed_from_route_wide`]). One slot, `<route>#wide`; no pool reads it.
+/// The TTFT cells, then the decode-rate ones (by [`signal index`](wide::OFF)).
+pub mod wide {
+    pub const RATE_LIMIT: usize = 0;
+    /// The gate turned off (1), per signal: TTFT, decode rate.
+    pub const OFF: [usize; 2] = [1, 4];
+    /// The threshold override's value (f64 bits) and expiry, as in a pool's cells.
+    pub const BITS: [usize; 2] = [2, 5];
+    pub const UNTIL: [usize; 2] = [3, 6];
+}
+
+/// The slot of `route`'s route-wide record ([`wide`]).
+pub fn wide_slot(seg: &Segment, route: &str) -> Option<RouteSlot> {
+    let k = format!("{route}#wide");
+    if k.len() <= warmroute_shm::MAX_KEY_BYTES {
+        seg.route_slot(&k)
+    } else {
+        seg.route_slot(&format!("#wide:{:08x}", crc32fast::hash(k.as_bytes())))
+    }
+}
+
 /// A pool new to the segment takes the switches and overrides set for its whole route
-/// before it existed (`wide`, [`PoolSlots::route_wide`]): the rate-limit switch, the TTFT
-/// and decode-rate gates turned off, and their threshold overrides. Only what is set is
-/// copied, and only once per pool (a pool's own later settings stay its own). Workers
+/// before it existed (the record in `wide`, [`wide_slot`]): the rate-limit switch, the
+/// TTFT and decode-rate gates turned off, and their threshold overrides. Only what is set
+/// is copied, and only once per pool (a pool's own later settings stay its own). Workers
 /// building their snapshots at once copy the same values.
-pub fn seed_from_route_wide(seg: &Segment, pool: &PoolSlots, wide: &PoolSlots) {
+pub fn seed_from_route_wide(seg: &Segment, pool: &PoolSlots, wide: RouteSlot) {
     let seeded = cell(seg, pool.ctl, ctl::SEEDED);
     if seeded.load(Relaxed) != 0 {
         return;
     }
-    let copy = |from: RouteSlot, to: RouteSlot, cells: &[usize]| {
-        for &i in cells {
-            let v = cell(seg, from, i).load(Relaxed);
-            if v != 0 {
-                cell(seg, to, i).store(v, Relaxed);
-            }
+    let copy = |from: usize, to: RouteSlot, to_cell: usize| {
+        let v = cell(seg, wide, from).load(Relaxed);
+        if v != 0 {
+            cell(seg, to, to_cell).store(v, Relaxed);
         }
     };
-    copy(wide.ctl, pool.ctl, &[ctl::RATE_LIMIT]);
-    for (w, p) in [(wide.ttft, pool.ttft), (wide.tps, pool.tps)] {
-        copy(w, p, &[win::OFF]);
+    copy(wide::RATE_LIMIT, pool.ctl, ctl::RATE_LIMIT);
+    for (i, p) in [pool.ttft, pool.tps].into_iter().enumerate() {
+        copy(wide::OFF[i], p, win::OFF);
         // The override's value before its expiry, so that it is whole when it shows.
-        if cell(seg, w, win::OVERRIDE_UNTIL_S).load(Relaxed) != 0 {
-            copy(w, p, &[win::OVERRIDE_BITS, win::OVERRIDE_UNTIL_S]);
+        if cell(seg, wide, wide::UNTIL[i]).load(Relaxed) != 0 {
+            copy(wide::BITS[i], p, win::OVERRIDE_BITS);
+            copy(wide::UNTIL[i], p, win::OVERRIDE_UNTIL_S);
         }
     }
     seeded.store(1, Relaxed);
+}
+
+/// Record in `wide` (the route-wide record) a gate turned off or on for the whole route.
+pub fn set_wide_gate_off(seg: &Segment, wide: RouteSlot, signal: usize, off: bool) {
+    cell(seg, wide, wide::OFF[signal]).store(off as u64, Relaxed);
+}
+
+/// Record in `wide` a threshold override set (or cleared) for the whole route.
+pub fn set_wide_override(
+    seg: &Segment,
+    wide: RouteSlot,
+    signal: usize,
+    v: Option<(f64, u64)>,
+    now_s: u64,
+) {
+    store_override(
+        seg,
+        wide,
+        [wide::BITS[signal], wide::UNTIL[signal]],
+        v,
+        now_s,
+    );
+}
+
+/// Record in `wide` the rate-limit switch set for the whole route (0 = none, 1 on, 2 off).
+pub fn set_wide_rate_limit(seg: &Segment, wide: RouteSlot, v: u64) {
+    cell(seg, wide, wide::RATE_LIMIT).store(v, Relaxed);
 }
 
 fn cell(seg: &Segment, slot: RouteSlot, i: usize) -> &AtomicU64 {
@@ -173,10 +205,27 @@ pub fn threshold_override(seg: &Segment, slot: RouteSlot, now_s: u64) -> Option<
 
 /// Set (Some(value, ttl_s; ttl 0 = never expires)) or clear (None) the override.
 pub fn set_threshold_override(seg: &Segment, slot: RouteSlot, v: Option<(f64, u64)>, now_s: u64) {
+    store_override(
+        seg,
+        slot,
+        [win::OVERRIDE_BITS, win::OVERRIDE_UNTIL_S],
+        v,
+        now_s,
+    );
+}
+
+/// An override's value and expiry, into cells `[bits, until]` of `slot`.
+fn store_override(
+    seg: &Segment,
+    slot: RouteSlot,
+    [bits, until]: [usize; 2],
+    v: Option<(f64, u64)>,
+    now_s: u64,
+) {
     match v {
         Some((x, ttl)) => {
-            cell(seg, slot, win::OVERRIDE_BITS).store(x.to_bits(), Relaxed);
-            cell(seg, slot, win::OVERRIDE_UNTIL_S)
+            cell(seg, slot, bits).store(x.to_bits(), Relaxed);
+            cell(seg, slot, until)
                 // A ttl too large to add (`ttl=18446744073709551615`) never expires,
                 // rather than wrapping to a time already past.
                 .store(
@@ -188,7 +237,7 @@ pub fn set_threshold_override(seg: &Segment, slot: RouteSlot, v: Option<(f64, u6
                     Relaxed,
                 );
         }
-        None => cell(seg, slot, win::OVERRIDE_UNTIL_S).store(0, Relaxed),
+        None => cell(seg, slot, until).store(0, Relaxed),
     }
 }
 
