@@ -36,7 +36,7 @@ fn replaced_by_proxy(name: &[u8]) -> bool {
 /// and — when it is small — the body, so head and body leave in one write.
 /// `authorization`, when set (`upstream_api_key`), replaces the client's credentials.
 /// `identity`: ask for an uncompressed response (`Accept-Encoding: identity` in place of
-/// the client's), because the router must read the stream: it removes the usage frame its
+/// the client's, when it sent one), because the router must read the stream: it removes the usage frame its
 /// own `include_usage` injection causes, and a compressed stream would carry that frame to
 /// the client unread (and its tokens uncounted).
 /// Written into `out` (cleared first); returns it and whether the body is in it.
@@ -60,15 +60,20 @@ pub fn build_request(
     out.extend_from_slice(b" HTTP/1.1\r\n");
     write_header(&mut out, b"Host", peer.host_header.as_bytes());
     let listed = head.headers.connection_names_headers();
+    // Whether a client's `Accept-Encoding` was left out for `identity` (one that sent none
+    // gets no compressed answer either way).
+    let mut asked_encoding = false;
     head.headers.write_lines(&mut out, |name, _| {
+        let encoding = identity && http::name_is(name, b"accept-encoding");
+        asked_encoding |= encoding;
         !(is_hop_by_hop(name)
             || replaced_by_proxy(name)
             || (listed && head.headers.connection_lists(name))
             || (authorization.is_some()
                 && (http::name_is(name, b"authorization") || http::name_is(name, b"x-api-key")))
-            || (identity && http::name_is(name, b"accept-encoding")))
+            || encoding)
     });
-    if identity {
+    if asked_encoding {
         out.extend_from_slice(b"Accept-Encoding: identity\r\n");
     }
     // X-Forwarded-For: the client's chain, then the client's address.
