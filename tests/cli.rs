@@ -2433,17 +2433,15 @@ fn a_log_reader_that_goes_away_neither_aborts_the_router_nor_cuts_its_drain() {
     for _ in 0..20 {
         assert_eq!(chat_status_without_key(&p, "a"), 200);
     }
-    let mut s = connect(p.public);
-    s.write_all(&post_json(
-        "/a/v1/chat/completions",
-        &chat_body("x", true),
+    let mut s = open_stream(
+        p.public,
+        "a",
         "x-mock-tokens: 10\r\nx-mock-interval-ms: 100\r\n",
-    ))
-    .unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    );
     p.signal("TERM");
-    let resp = read_response(&mut BufReader::new(s), false).unwrap();
-    assert!(resp.text().contains("[DONE]"), "{}", resp.text());
+    let mut rest = String::new();
+    s.read_to_string(&mut rest).unwrap();
+    assert!(rest.contains("[DONE]"), "{rest}");
     let status = p.wait_exit(Duration::from_secs(10)).expect("exited");
     assert_eq!(status.code(), Some(0), "{status:?}");
 }
@@ -2524,14 +2522,11 @@ fn a_reloaded_drain_timeout_is_the_one_a_drain_keeps() {
     .unwrap();
     p.signal("HUP");
     std::thread::sleep(Duration::from_millis(500));
-    let mut s = connect(p.public);
-    s.write_all(&post_json(
-        "/a/v1/chat/completions",
-        &chat_body("x", true),
+    let mut s = open_stream(
+        p.public,
+        "a",
         "x-mock-tokens: 200\r\nx-mock-interval-ms: 100\r\n",
-    ))
-    .unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    );
     let t0 = Instant::now();
     p.signal("TERM");
     let status = p.wait_exit(Duration::from_secs(10)).expect("exited");
