@@ -509,9 +509,9 @@ impl Segment {
             if first[..n] != MAGIC.to_le_bytes()[..n] && first[..n].iter().any(|&b| b != 0) {
                 return Err(io::Error::new(
                     io::ErrorKind::AlreadyExists,
+                    // The caller names the path.
                     format!(
-                        "shared segment {}: the file exists ({len} bytes) and is not a warmroute segment; not overwriting it: remove it or set another shm_path",
-                        path.display()
+                        "the file exists ({len} bytes) and is not a warmroute segment; not overwriting it: remove it or set another shm_path"
                     ),
                 ));
             }
