@@ -331,9 +331,9 @@ fn check_reads_the_key_file_and_rule_typos() {
     assert!(text.contains("ok: 1 route(s): a"), "{text}");
 }
 
-#[test]
-fn a_start_failure_is_one_whole_line_on_stderr() {
-    let d = temp_dir("startio");
+/// `serve` on ports :0 in `dir` with `args` and segment `shm`, run to its exit (a start
+/// that is refused): its exit code and stderr.
+fn serve_to_exit(dir: &Path, args: &[&str], shm: &Path) -> (Option<i32>, String) {
     let out = Command::new(BIN)
         .args([
             "serve",
@@ -342,13 +342,25 @@ fn a_start_failure_is_one_whole_line_on_stderr() {
             "--admin-listen",
             "127.0.0.1:0",
         ])
+        .args(args)
         .arg("--shm")
-        .arg(&d.0) // a directory: the segment cannot be created
-        .current_dir(&d.0)
+        .arg(shm)
+        .current_dir(dir)
+        .stdin(Stdio::null())
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_start_failure_is_one_whole_line_on_stderr() {
+    let d = temp_dir("startio");
+    // A directory as the segment: it cannot be created.
+    let (code, err) = serve_to_exit(&d.0, &[], &d.0);
+    assert_eq!(code, Some(1));
     assert!(err.ends_with("Is a directory (os error 21)\n"), "{err:?}");
     assert!(
         err.contains("warmroute: cannot start:\nshared segment "),
@@ -2453,27 +2465,7 @@ fn a_log_reader_that_goes_away_neither_aborts_the_router_nor_cuts_its_drain() {
 #[test]
 fn start_up_refuses_an_unopenable_access_log_and_a_file_that_is_not_a_segment() {
     let d = temp_dir("refusals");
-    let run = |args: &[&str], shm: &Path| {
-        let out = Command::new(BIN)
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-            ])
-            .args(args)
-            .arg("--shm")
-            .arg(shm)
-            .current_dir(&d.0)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    };
+    let run = |args: &[&str], shm: &Path| serve_to_exit(&d.0, args, shm);
     let fresh = d.0.join("segment");
     let (code, err) = run(&["--access-log", "/nonexistent-dir/access.log"], &fresh);
     assert_eq!(code, Some(1), "{err}");
