@@ -176,6 +176,58 @@ fn a_prompt_sized_request_body_is_logged_whole() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A body over the capture's 2 MiB copy, whose session id came from a header (so routing
+/// did not parse it): its record still says the request streamed and names its model (the
+/// whole body is read for them, not the cut copy, which is not JSON). A body that is not
+/// JSON says neither: no `stream: false` for "unknown".
+#[test]
+fn a_body_over_the_capture_cap_keeps_its_model_and_stream_flag() {
+    let (dir, _port, l, _m, env) = logged_route("bodylog-cap");
+    let content: String = (0..3_000_000u32)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    let big = chat_body(&content, true);
+    let r = request(
+        env.public(),
+        &post_json("/r/v1/chat/completions", &big, "x-session-id: cap-big\r\n"),
+    );
+    assert_eq!(r.status, 200);
+    let r = request(
+        env.public(),
+        &post_json(
+            "/r/v1/chat/completions",
+            "not json",
+            "x-session-id: cap-text\r\n",
+        ),
+    );
+    assert!(
+        r.status > 0,
+        "answered (the mock's status does not matter here)"
+    );
+    eventually(Duration::from_secs(20), "2 records written", || {
+        records(&dir).len() == 2
+    });
+    let recs = records(&dir);
+    let by = |sid: &str| {
+        recs.iter()
+            .find(|r| r["session_id"] == sid)
+            .unwrap_or_else(|| panic!("no record of {sid}: {recs:?}"))
+    };
+    let big = by("cap-big");
+    assert_eq!(big["req_body_truncated"], true, "control: the copy was cut");
+    assert_eq!(
+        (big["model"].as_str(), big["stream"].as_bool()),
+        (Some("mock-model"), Some(true))
+    );
+    let text = by("cap-text");
+    assert!(
+        text.get("stream").is_none() && text.get("model").is_none(),
+        "{text}"
+    );
+    l.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A streamed request without `stream_options` gets `include_usage` from the router, which
 /// inserts it into the body's own buffer (no copy of the body). The peer gets it (the
 /// record has the usage of the frame the router then removes), the client does not see

@@ -283,7 +283,7 @@ fn route_bodylog_dropped(x: &mut Exposition, s: &Sources) {
         x,
         s,
         "warmroute_bodylog_dropped_total",
-        "Body-log records dropped because the worker's queue was full (listener slow or down).",
+        "Body-log records dropped: the worker's queue was full, or a write to the listener failed or stalled (listener slow or down).",
         cells::route::BODYLOG_DROPPED,
     );
 }

@@ -35,6 +35,16 @@ pub struct Capture {
     tail: VecDeque<u8>,
     resp_total: u64,
     chunk_count: u64,
+    /// The body's `model` and `stream`, read from the whole body when the capture began (a
+    /// copy cut at its cap is no longer JSON); `None` when not read, or not JSON.
+    facts: Option<RequestFacts>,
+}
+
+/// What a record says of a request body beyond its bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestFacts {
+    pub model: Option<String>,
+    pub stream: bool,
 }
 
 impl Capture {
@@ -59,12 +69,17 @@ impl Capture {
             tail: VecDeque::new(),
             resp_total: 0,
             chunk_count: 0,
+            facts: None,
         }
     }
 
-    /// The request body as captured (cut at [`REQ_BODY_MAX_BYTES`]).
-    pub fn request_body(&self) -> &[u8] {
-        &self.request
+    /// Keep what the whole body said of its model and stream flag.
+    pub fn set_request_facts(&mut self, facts: Option<RequestFacts>) {
+        self.facts = facts;
+    }
+
+    pub fn request_facts(&self) -> Option<&RequestFacts> {
+        self.facts.as_ref()
     }
 
     /// Mark the request body as incomplete (e.g. it was streamed to the peer without being

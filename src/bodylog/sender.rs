@@ -79,7 +79,8 @@ pub struct Sender {
     addr: SocketAddr,
     frames_max: usize,
     bytes_max: usize,
-    queue: RefCell<VecDeque<Vec<u8>>>,
+    /// Encoded frames, each with the tag it was queued with ([`Sender::try_send_tagged`]).
+    queue: RefCell<VecDeque<(Vec<u8>, usize)>>,
     queued_bytes: Cell<usize>,
     waker: RefCell<Option<Waker>>,
     stopping: Cell<bool>,
@@ -89,7 +90,16 @@ pub struct Sender {
     encode_errors: Cell<u64>,
     last_write_ms: Cell<u64>,
     connects: Cell<u64>,
+    /// Told the tag of each queued frame that is lost after all: in a failed or stalled
+    /// write, or still queued when the sender stops.
+    on_lost: RefCell<Option<LossHook>>,
 }
+
+/// Told the tag of a frame lost after it was queued ([`Sender::set_on_lost`]).
+pub type LossHook = Box<dyn Fn(usize)>;
+
+/// The tag of a frame queued with [`Sender::try_send`].
+pub const NO_TAG: usize = usize::MAX;
 
 impl Sender {
     /// A sender with the default bounds ([`QUEUE_FRAMES_MAX`], [`QUEUE_BYTES_MAX`]).
@@ -112,7 +122,14 @@ impl Sender {
             encode_errors: Cell::new(0),
             last_write_ms: Cell::new(0),
             connects: Cell::new(0),
+            on_lost: RefCell::new(None),
         })
+    }
+
+    /// Call `f` with the tag of every queued frame that is lost later (not with the frames
+    /// [`Sender::try_send_tagged`] refuses: its caller counts those).
+    pub fn set_on_lost(&self, f: LossHook) {
+        *self.on_lost.borrow_mut() = Some(f);
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -124,6 +141,12 @@ impl Sender {
     /// meta over 64 KiB first loses its `req_headers` (replaced by
     /// `"req_headers_dropped": true`).
     pub fn try_send(&self, rec: Record) -> bool {
+        self.try_send_tagged(rec, NO_TAG)
+    }
+
+    /// [`Sender::try_send`], with a tag (the route's slot) that the loss hook is told if
+    /// the frame is lost after it was queued.
+    pub fn try_send_tagged(&self, rec: Record, tag: usize) -> bool {
         if self.stopping.get() || self.queue.borrow().len() >= self.frames_max {
             self.count_drop();
             return false;
@@ -145,7 +168,7 @@ impl Sender {
             return false;
         }
         self.queued_bytes.set(bytes);
-        self.queue.borrow_mut().push_back(frame);
+        self.queue.borrow_mut().push_back((frame, tag));
         self.wake();
         true
     }
@@ -234,9 +257,10 @@ impl Sender {
     /// listener closed it.
     async fn serve(&self, mut stream: TcpStream) -> bool {
         let mut batch: Vec<u8> = Vec::new();
+        let mut tags: Vec<usize> = Vec::new();
         loop {
             loop {
-                let n = self.fill_batch(&mut batch);
+                let n = self.fill_batch(&mut batch, &mut tags);
                 if n == 0 {
                     break;
                 }
@@ -253,11 +277,11 @@ impl Sender {
                         }
                     }
                     Ok((Err(e), _)) => {
-                        self.lose(n, &e.to_string());
+                        self.lose(&tags, &e.to_string());
                         return false;
                     }
                     Err(_) => {
-                        self.lose(n, "write stalled");
+                        self.lose(&tags, "write stalled");
                         return false;
                     }
                 }
@@ -275,29 +299,38 @@ impl Sender {
         }
     }
 
-    /// Move frames from the queue into `batch`; returns how many.
-    fn fill_batch(&self, batch: &mut Vec<u8>) -> u64 {
+    /// Move frames from the queue into `batch`, their tags into `tags`; returns how many.
+    fn fill_batch(&self, batch: &mut Vec<u8>, tags: &mut Vec<usize>) -> u64 {
         let mut q = self.queue.borrow_mut();
-        let mut n = 0;
-        while let Some(front) = q.front() {
-            if n > 0 && batch.len() + front.len() > BATCH_BYTES {
+        tags.clear();
+        while let Some((front, _)) = q.front() {
+            if !tags.is_empty() && batch.len() + front.len() > BATCH_BYTES {
                 break;
             }
-            let Some(f) = q.pop_front() else { break };
+            let Some((f, tag)) = q.pop_front() else { break };
             self.queued_bytes.set(self.queued_bytes.get() - f.len());
+            tags.push(tag);
             if batch.is_empty() && f.len() >= BATCH_BYTES {
                 *batch = f;
                 return 1;
             }
             batch.extend_from_slice(&f);
-            n += 1;
         }
-        n
+        tags.len() as u64
     }
 
-    fn lose(&self, frames: u64, why: &str) {
+    /// Count the frames of a failed write as dropped, and tell the hook their tags.
+    fn lose(&self, tags: &[usize], why: &str) {
+        let frames = tags.len() as u64;
         self.dropped.set(self.dropped.get() + frames);
+        self.report_lost(tags.iter().copied());
         tracing::warn!(addr = %self.addr, frames, error = why, "bodylog write failed; reconnecting");
+    }
+
+    fn report_lost(&self, tags: impl Iterator<Item = usize>) {
+        if let Some(f) = &*self.on_lost.borrow() {
+            tags.filter(|&t| t != NO_TAG).for_each(f);
+        }
     }
 
     fn count_drop(&self) {
@@ -309,10 +342,10 @@ impl Sender {
     }
 
     fn drop_queue(&self) {
-        let n = self.queue.borrow().len() as u64;
-        self.queue.borrow_mut().clear();
+        let lost: Vec<(Vec<u8>, usize)> = self.queue.borrow_mut().drain(..).collect();
         self.queued_bytes.set(0);
-        self.dropped.set(self.dropped.get() + n);
+        self.dropped.set(self.dropped.get() + lost.len() as u64);
+        self.report_lost(lost.into_iter().map(|(_, tag)| tag));
     }
 
     fn wake(&self) {
@@ -472,6 +505,34 @@ mod tests {
     }
 
     #[test]
+    fn frames_lost_after_queueing_report_their_tags() {
+        let s = Sender::with_limits("127.0.0.1:9".parse().unwrap(), 100, usize::MAX);
+        let lost = Rc::new(RefCell::new(Vec::new()));
+        let l = lost.clone();
+        s.set_on_lost(Box::new(move |tag| l.borrow_mut().push(tag)));
+        assert!(s.try_send_tagged(rec(json!({})), 3));
+        assert!(s.try_send_tagged(rec(json!({})), 5));
+        assert!(s.try_send(rec(json!({}))));
+        // A write that failed loses its batch: each tagged frame is reported.
+        let (mut b, mut t) = (Vec::new(), Vec::new());
+        assert_eq!(s.fill_batch(&mut b, &mut t), 3);
+        s.lose(&t, "test");
+        assert_eq!(*lost.borrow(), [3, 5], "untagged frames are not reported");
+        assert_eq!(s.stats().dropped, 3);
+        // Frames still queued when the sender stops are lost too.
+        lost.borrow_mut().clear();
+        assert!(s.try_send_tagged(rec(json!({})), 7));
+        s.drop_queue();
+        assert_eq!(*lost.borrow(), [7]);
+        assert_eq!(s.stats().dropped, 4);
+        // A frame refused at the door is its caller's to count, not the hook's.
+        lost.borrow_mut().clear();
+        s.stop();
+        assert!(!s.try_send_tagged(rec(json!({})), 9));
+        assert!(lost.borrow().is_empty());
+    }
+
+    #[test]
     fn batches_coalesce_small_frames_and_send_big_ones_alone() {
         let s = Sender::with_limits("127.0.0.1:9".parse().unwrap(), 100, usize::MAX);
         for _ in 0..3 {
@@ -484,15 +545,16 @@ mod tests {
         };
         s.try_send(big);
         s.try_send(rec(json!({})));
-        let mut b = Vec::new();
-        assert_eq!(s.fill_batch(&mut b), 3);
+        let (mut b, mut t) = (Vec::new(), Vec::new());
+        assert_eq!(s.fill_batch(&mut b, &mut t), 3);
+        assert_eq!(t, [NO_TAG; 3]);
         b.clear();
-        assert_eq!(s.fill_batch(&mut b), 1);
+        assert_eq!(s.fill_batch(&mut b, &mut t), 1);
         assert!(b.len() > BATCH_BYTES);
         b.clear();
-        assert_eq!(s.fill_batch(&mut b), 1);
+        assert_eq!(s.fill_batch(&mut b, &mut t), 1);
         b.clear();
-        assert_eq!(s.fill_batch(&mut b), 0);
+        assert_eq!(s.fill_batch(&mut b, &mut t), 0);
         assert_eq!(s.stats().queued_bytes, 0);
     }
 }

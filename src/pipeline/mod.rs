@@ -1054,7 +1054,7 @@ async fn proxy(
                     }),
                 };
                 let mut stats = RelayStats {
-                    capture: bodylog_capture(ctx, route, &p.body, inserted_at),
+                    capture: bodylog_capture(ctx, route, &p.body, inserted_at, p.fields.is_some()),
                     // The usage-frame filter reads the usage as the events pass: no tail then.
                     tail: (!filters.reads_usage()).then(|| ctx.take_tail(!event_stream)),
                     ..RelayStats::default()
@@ -1210,7 +1210,7 @@ async fn proxy(
                         status: ex.head.status,
                         stats: &stats,
                     };
-                    bodylog_send(ctx, seg, capture, &entry);
+                    bodylog_send(ctx, seg, *capture, &entry);
                 }
                 if let Some(t) = stats.tail.take() {
                     ctx.put_tail(t);
@@ -1353,13 +1353,16 @@ impl relay::BodyFilter for crate::transform::UsageFrameFilter {
 /// Start a body-log copy of this request when a listener is configured, the route logs
 /// bodies (runtime toggle, else the route option) and the sampling draw says so.
 /// `inserted_at`: the router inserted the usage member into `body` there; the capture
-/// keeps the client's body, without it.
+/// keeps the client's body, without it. `parsed`: routing read the body's fields; when it
+/// did not, the capture reads the model and stream flag of the whole body now (the copy
+/// may be cut, and the body is given back before the response ends).
 fn bodylog_capture(
     ctx: &WorkerCtx,
     route: &RouteRt,
     body: &[u8],
     inserted_at: Option<usize>,
-) -> Option<crate::bodylog::capture::Capture> {
+    parsed: bool,
+) -> Option<Box<crate::bodylog::capture::Capture>> {
     if !ctx.bodylog_on() {
         return None;
     }
@@ -1381,11 +1384,23 @@ fn bodylog_capture(
             body.get(at + crate::transform::USAGE_MEMBER.len()..)?,
         ])
     });
-    crate::bodylog::capture::sampled(pct, ctx.random()).then(|| match original {
+    if !crate::bodylog::capture::sampled(pct, ctx.random()) {
+        return None;
+    }
+    let mut capture = match original {
         Some(parts) => crate::bodylog::capture::Capture::from_parts(&parts),
         // No insertion (or, defensively, a body too short to hold one): the body as it is.
         None => crate::bodylog::capture::Capture::new(body),
-    })
+    };
+    if !parsed {
+        capture.set_request_facts(session_id::parse_body(body).map(|f| {
+            crate::bodylog::capture::RequestFacts {
+                model: f.model.clone(),
+                stream: f.stream,
+            }
+        }));
+    }
+    Some(Box::new(capture))
 }
 
 /// What a body-log record says about its request.
@@ -1421,14 +1436,12 @@ fn bodylog_send(
         t.map(|t| (t.duration_since(e.started).as_secs_f64() * 1000.0).round() / 1000.0)
     };
     // The record names the body's model and stream flag even when routing had no need to
-    // parse the body: then the captured body is read now (only a sampled record pays).
-    let parsed;
-    let fields = match e.fields {
-        Some(f) => Some(f),
-        None => {
-            parsed = session_id::parse_body(capture.request_body());
-            parsed.as_ref()
-        }
+    // parse the body: then the capture read them when it began (only a sampled record
+    // pays). A body that is not JSON leaves both out.
+    let (model, stream) = match (e.fields, capture.request_facts()) {
+        (Some(f), _) => (f.model.clone(), Some(f.stream)),
+        (None, Some(f)) => (f.model.clone(), Some(f.stream)),
+        (None, None) => (None, None),
     };
     let mut meta = json!({
         "ts_ms": e.start_ms,
@@ -1440,7 +1453,6 @@ fn bodylog_send(
         "uri": e.head.target(),
         "req_headers": crate::bodylog::capture::scrub_headers(e.head.headers.iter()),
         "session_src": e.source,
-        "stream": fields.is_some_and(|f| f.stream),
         "status": e.status,
         "rt": (e.started.elapsed().as_secs_f64() * 1000.0).round() / 1000.0,
     });
@@ -1463,7 +1475,8 @@ fn bodylog_send(
         put("mode", json!(r.mode));
     }
     put("session_id", json!(e.sid));
-    put("model", json!(fields.and_then(|f| f.model.as_deref())));
+    put("stream", json!(stream));
+    put("model", json!(model));
     put("first_chunk_t", json!(secs(e.stats.first_body_at)));
     put("last_chunk_t", json!(secs(e.stats.last_body_at)));
     if let Some(u) = e.stats.usage {
@@ -1477,7 +1490,7 @@ fn bodylog_send(
     if let Some(m) = record.meta.as_object_mut() {
         m.insert("resp_bytes".into(), e.stats.body_bytes.into());
     }
-    let cell = if sender.try_send(record) {
+    let cell = if sender.try_send_tagged(record, e.route.slot.0 as usize) {
         cells::route::BODYLOG_QUEUED
     } else {
         cells::route::BODYLOG_DROPPED
@@ -1853,11 +1866,17 @@ impl<'a> LoggedRequest<'a> {
         ctx: &WorkerCtx,
         route: &RouteRt,
     ) -> Option<crate::bodylog::capture::Capture> {
-        let mut c = bodylog_capture(ctx, route, self.body, self.inserted_at)?;
+        let mut c = bodylog_capture(
+            ctx,
+            route,
+            self.body,
+            self.inserted_at,
+            self.fields.is_some(),
+        )?;
         if self.body_lost {
             c.set_request_truncated();
         }
-        Some(c)
+        Some(*c)
     }
 
     /// Queue the record of the router's answer (`status`, body bytes in `capture`).

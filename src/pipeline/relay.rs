@@ -69,7 +69,7 @@ pub struct RelayStats {
     /// else from `tail`).
     pub usage: Option<crate::transform::Usage>,
     /// The body-log copy of the response, when this request is body-logged.
-    pub capture: Option<crate::bodylog::capture::Capture>,
+    pub capture: Option<Box<crate::bodylog::capture::Capture>>,
     /// When the last body bytes arrived.
     pub last_body_at: Option<Instant>,
 }

@@ -312,7 +312,10 @@ impl WorkerCtx {
             server.upstream_idle_per_peer,
             std::time::Duration::from_millis(server.upstream_idle_timeout_ms),
         );
-        let bodylog = RefCell::new(bodylog_sender(server.bodylog_listener.as_deref()));
+        let bodylog = RefCell::new(bodylog_sender(
+            server.bodylog_listener.as_deref(),
+            &shared.seg,
+        ));
         let seed = (std::process::id() as u64) << 32
             ^ (index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
             ^ shared.started.elapsed().as_nanos() as u64;
@@ -372,7 +375,7 @@ impl WorkerCtx {
         if before.config.server.bodylog_listener != listener {
             // A reload that names another body-log listener, or none: the old sender stops
             // (what it still queued is dropped and counted) and a new one starts.
-            let fresh = bodylog_sender(listener.as_deref());
+            let fresh = bodylog_sender(listener.as_deref(), &self.shared.seg);
             if let Some(sender) = &fresh {
                 monoio::spawn(sender.clone().run());
             }
@@ -503,12 +506,31 @@ impl WorkerCtx {
     }
 }
 
-/// A body-log sender for `listener` (`None` or unresolvable: body logging is off).
-fn bodylog_sender(listener: Option<&str>) -> Option<Rc<crate::bodylog::sender::Sender>> {
+/// A body-log sender for `listener` (`None` or unresolvable: body logging is off). A
+/// record lost after it was queued (a failed or stalled write, a stop) counts as dropped
+/// for its route, as one the full queue refused does.
+fn bodylog_sender(
+    listener: Option<&str>,
+    seg: &Arc<warmroute_shm::Segment>,
+) -> Option<Rc<crate::bodylog::sender::Sender>> {
     use std::net::ToSocketAddrs;
     let l = listener?;
     match l.to_socket_addrs().map(|mut a| a.next()) {
-        Ok(Some(addr)) => Some(crate::bodylog::sender::Sender::new(addr)),
+        Ok(Some(addr)) => {
+            let sender = crate::bodylog::sender::Sender::new(addr);
+            let seg = seg.clone();
+            sender.set_on_lost(Box::new(move |slot| {
+                let Ok(slot) = u32::try_from(slot) else {
+                    return;
+                };
+                seg.route_cell(
+                    warmroute_shm::RouteSlot(slot),
+                    crate::cells::route::BODYLOG_DROPPED,
+                )
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }));
+            Some(sender)
+        }
         _ => {
             tracing::error!(
                 listener = l,
