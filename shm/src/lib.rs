@@ -1702,7 +1702,11 @@ pub fn raise_nofile_limit() -> io::Result<(u64, u64)> {
     Ok((soft, nofile_limit()?.0))
 }
 
-/// Whether a process with this pid exists (`kill(pid, 0)`; EPERM counts as alive). Pid 0 and
+/// Whether a process with this pid exists (`kill(pid, 0)`; EPERM counts as alive) and is
+/// not dying: a process that is exiting (a `kill -9` takes a moment to tear it down) or
+/// exited and not yet reaped (a zombie) is dead, as `/proc/PID/stat` says. Its rows are
+/// reclaimed at once then, not after the heartbeat timeout: a router restarted right after
+/// a crash would otherwise count the dead one's in-flight requests for a while. Pid 0 and
 /// pids that do not fit `pid_t` are never alive.
 pub fn pid_alive(pid: u32) -> bool {
     let Ok(p) = libc::pid_t::try_from(pid) else {
@@ -1714,7 +1718,37 @@ pub fn pid_alive(pid: u32) -> bool {
     // SAFETY: signal 0 only checks that the process exists and may be signalled; nothing is
     // delivered and no memory is passed.
     let r = unsafe { libc::kill(p, 0) };
-    r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+    let exists = r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+    exists && !dying(pid)
+}
+
+/// `PF_EXITING` in `/proc/PID/stat`'s flags: the process is being torn down.
+const PF_EXITING: u64 = 0x4;
+
+/// Whether `/proc/PID/stat` shows the process as a zombie, dead, or exiting. A `/proc` that
+/// cannot be read (not mounted) says nothing: false.
+fn dying(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    stat_says_dying(&stat)
+}
+
+/// [`dying`] on the text of a `/proc/PID/stat`: `pid (comm) state ppid pgrp session tty_nr
+/// tpgid flags ...`, where `comm` may hold spaces and parentheses (so the fields start after
+/// the last `)`).
+fn stat_says_dying(stat: &[u8]) -> bool {
+    let Some(close) = stat.iter().rposition(|&b| b == b')') else {
+        return false;
+    };
+    let rest = String::from_utf8_lossy(&stat[close + 1..]);
+    let mut fields = rest.split_ascii_whitespace();
+    let state = fields.next().unwrap_or("");
+    let flags = fields
+        .nth(5)
+        .and_then(|f| f.parse::<u64>().ok())
+        .unwrap_or(0);
+    matches!(state, "Z" | "X" | "x") || flags & PF_EXITING != 0
 }
 
 /// Ask another process to drain: send it SIGQUIT (used by `--takeover` to retire the router

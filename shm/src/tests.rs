@@ -34,6 +34,42 @@ fn small() -> Capacities {
     }
 }
 
+#[test]
+fn a_zombie_or_exiting_process_is_not_alive() {
+    // A child killed and not yet reaped is a zombie: kill(pid, 0) still succeeds.
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .expect("spawn sleep");
+    let pid = child.id();
+    assert!(pid_alive(pid), "control: a running child is alive");
+    child.kill().expect("kill sleep");
+    let t0 = std::time::Instant::now();
+    while std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z ")) {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(5),
+            "never a zombie"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(!pid_alive(pid), "a zombie is dead");
+    child.wait().expect("reap sleep");
+    assert!(!pid_alive(pid));
+}
+
+#[test]
+fn proc_stat_lines_are_read_past_the_command_name() {
+    // Running, flags without PF_EXITING; a command name with spaces and parentheses.
+    assert!(!stat_says_dying(b"42 (a) b) R 1 42 42 0 -1 4194560 100 0"));
+    assert!(stat_says_dying(b"42 (a) b) Z 1 42 42 0 -1 4194560 100 0"));
+    assert!(stat_says_dying(b"42 (x) X 1 42 42 0 -1 4194560 100 0"));
+    // Sleeping but exiting (PF_EXITING = 0x4 in flags 4194564).
+    assert!(stat_says_dying(
+        b"42 (warmroute-w0) S 1 42 42 0 -1 4194564 100 0"
+    ));
+    assert!(!stat_says_dying(b"garbage"));
+}
+
 /// The pid of a process that has exited and been reaped.
 fn dead_pid() -> u32 {
     let mut child = std::process::Command::new("true")
