@@ -703,6 +703,15 @@ fn debug_endpoints_explain_and_dry_run_routing() {
     assert_eq!(d["natural_target"], want.as_str());
     assert_eq!(d["actual_pick"], want.as_str());
     assert_eq!(d["actual_mode"], "hash");
+    // A blank id is no id (SPEC §3.3), here as for a request: least connections.
+    for blank in ["", "%20%09"] {
+        let d = request(env.public(), &get(&format!("/r/_route_debug?sid={blank}"))).json();
+        assert_eq!(
+            (&d["actual_mode"], &d["natural_target"], &d["crc32"]),
+            (&json!("least_conn"), &json!(null), &json!(null)),
+            "{blank:?}: {d}"
+        );
+    }
     let body =
         json!({"model": "m", "metadata": {"session_id": "conv-7"}, "messages": []}).to_string();
     let i = request(env.public(), &post_json("/r/_route_inspect", &body, "")).json();

@@ -481,14 +481,16 @@ fn route_endpoint(
             let loads = pool.loads(seg, now);
             let algo = Affinity::from(route.cfg.opts.affinity_hash);
             let sid_bytes = session_id::hash_bytes(&sid);
+            // A blank id is no id (SPEC §3.3): a request with it goes by least connections.
+            let id = (!session_id::is_blank(&sid)).then_some(sid_bytes);
             // Read-only: a debug lookup shows a sticky_table placement but never makes one.
-            let placed = pool
-                .placement(seg, algo, Some(sid_bytes), now / 1000)
+            let placed = id
+                .and_then(|id| pool.placement(seg, algo, Some(id), now / 1000))
                 .and_then(|(_, peer)| peer);
-            let natural = peer_select::natural_target(&loads, sid_bytes, algo, placed);
+            let natural = id.and_then(|id| peer_select::natural_target(&loads, id, algo, placed));
             let pick = peer_select::select(
                 &loads,
-                route.cfg.opts.session_affinity.then_some(sid_bytes),
+                id.filter(|_| route.cfg.opts.session_affinity),
                 algo,
                 peer_select::Overflow::from_name(&route.cfg.opts.affinity_overflow),
                 placed,
@@ -506,8 +508,8 @@ fn route_endpoint(
                 "active": loads[i].inflight,
                 "max": loads[i].max_concurrency,
                 "score": match algo {
-                    Affinity::Rendezvous => json!(peer_select::rendezvous_score(sid_hash, p.key_hash)),
-                    Affinity::Crc32Mod | Affinity::Table => Value::Null,
+                    Affinity::Rendezvous if id.is_some() => json!(peer_select::rendezvous_score(sid_hash, p.key_hash)),
+                    Affinity::Rendezvous | Affinity::Crc32Mod | Affinity::Table => Value::Null,
                 },
             })).collect();
             Response::json(
@@ -517,7 +519,7 @@ fn route_endpoint(
                     "session_id": sid,
                     "model": model,
                     "algorithm": route.cfg.opts.affinity_hash.as_str(),
-                    "crc32": crc32fast::hash(sid_bytes),
+                    "crc32": id.map(crc32fast::hash),
                     "natural_target": natural.map(|i| pool.peers[i].name.clone()),
                     "natural_banned": natural.map(|i| !loads[i].healthy),
                     "actual_pick": pick.index().map(|i| pool.peers[i].name.clone()),

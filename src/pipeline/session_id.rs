@@ -272,9 +272,11 @@ pub fn hash_bytes(id: &str) -> &[u8] {
     &id.as_bytes()[..id.len().min(SESSION_ID_HASH_BYTES_MAX)]
 }
 
-/// Empty or whitespace only.
-fn is_blank(s: &str) -> bool {
-    s.trim().is_empty()
+/// Empty or whitespace only. Whitespace is ASCII's (space, tab, LF, VT, FF, CR), as the
+/// reference's Lua patterns read it: U+00A0 or U+2028 is an id's character, not a blank.
+pub(crate) fn is_blank(s: &str) -> bool {
+    s.bytes()
+        .all(|b| matches!(b, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r'))
 }
 
 /// A header's id as text: as sent when it is UTF-8, else read as Latin-1 (each byte one
@@ -918,7 +920,7 @@ mod tests {
             sid(
                 &blank_headers,
                 r#"{"metadata":{"session_id":" ","user_id":"{\"session_id\":\" \"}"},
-                    "litellm_metadata":{"session_id":"\u00a0"},"user":"u"}"#
+                    "litellm_metadata":{"session_id":"\u000b\f"},"user":"u"}"#
             ),
             // The JSON user_id has a blank session_id, so it is used plainly.
             hit("{\"session_id\":\" \"}", "body:metadata.user_id")
@@ -930,6 +932,15 @@ mod tests {
             ),
             hit("u", "body:user")
         );
+        // Whitespace is ASCII's, as the reference's Lua patterns read it: a no-break space
+        // or a line separator is an id's character (the bytes an id is hashed by).
+        for id in ["\u{a0}", "\u{2028}", "\u{85}"] {
+            let body = serde_json::json!({"metadata": {"session_id": id}, "user": "u"});
+            assert_eq!(
+                sid(&[], &body.to_string()),
+                hit(id, "body:metadata.session_id")
+            );
+        }
         // Not trimmed otherwise.
         assert_eq!(
             sid(&[], r#"{"metadata":{"session_id":"  s p  "}}"#),
