@@ -155,7 +155,7 @@ pub static ROUTE_OPTS: &[OptSpec] = &[
         "Model names this route answers for on the unprefixed /v1 path, besides the keys of peers_by_model."),
     // --- limits ---
     opt("max_body_size", "Max request body", "limits", K::Size, D::Size(10 * 1024 * 1024),
-        "Largest request body accepted (413 above it); never more than the server's max_body_size_ceiling."),
+        "Largest request body accepted (413 above it); never more than the server's max_body_size_ceiling. \"0\" = no limit of the route's own (the ceiling applies), as nginx's client_max_body_size 0."),
     opt("load_rate_limit", "Load-based 429s", "limits", K::Bool, D::ServerDefault("load_rate_limit"),
         "Route layer of the rate-limit switch: off lets requests through the concurrency, TTFT and decode-rate gates while they keep measuring."),
     adv("rt_limit_factor", "Concurrency limit factor", "limits", float(0.01, 100.0), D::Float(1.0),

@@ -523,6 +523,19 @@ impl RouteOpts {
                         for p in problems {
                             d.soft(&format!("{field}[{}]", p.index - 1), p.message);
                         }
+                        // Hits are counted by name (as the reference does): two rules of
+                        // one name would show each other's hits.
+                        for (i, r) in set.rules.iter().enumerate() {
+                            if set.rules[..i].iter().any(|o| o.name == r.name) {
+                                d.warn(
+                                    field,
+                                    format!(
+                                        "two rules are named {:?}: they share one hit counter",
+                                        r.name
+                                    ),
+                                );
+                            }
+                        }
                         self.reject_rules = a.to_vec();
                         self.reject_rules_compiled = Arc::new(set);
                     }
@@ -680,7 +693,11 @@ impl RouteOpts {
                 ),
             );
         }
-        if self.max_body_size > server.max_body_size_ceiling && !set("max_body_size") {
+        if self.max_body_size == 0 && set("max_body_size") {
+            // 0 is "no limit of the route's own", as nginx's client_max_body_size 0 (which
+            // the reference renders this option into): the server's ceiling still holds.
+            self.max_body_size = server.max_body_size_ceiling;
+        } else if self.max_body_size > server.max_body_size_ceiling && !set("max_body_size") {
             // The default (10 MiB) is never above the server's ceiling (SPEC §3.2): a
             // lower ceiling lowers the routes that do not set their own limit.
             self.max_body_size = server.max_body_size_ceiling;

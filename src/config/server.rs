@@ -78,6 +78,10 @@ pub const DEFAULT_API_KEYS_FILE: &str = "/etc/warmroute/api-keys/keys";
 pub const ENV_API_KEYS_FILE: &str = "WARMROUTE_API_KEYS_FILE";
 /// Environment variable that replaces `[bodylog] listener`.
 pub const ENV_BODYLOG_LISTENER: &str = "BODYLOG_LISTENER_HOST";
+/// The port for a `BODYLOG_LISTENER_HOST` given without one, as the reference reads them
+/// (default [`DEFAULT_BODYLOG_PORT`]; a value that is not a port gives the default too).
+pub const ENV_BODYLOG_LISTENER_PORT: &str = "BODYLOG_LISTENER_PORT";
+pub const DEFAULT_BODYLOG_PORT: u16 = 9999;
 
 fn default_shm_path(listen: &SocketAddr) -> PathBuf {
     PathBuf::from(format!("/dev/shm/warmroute-{}", listen.port()))
@@ -297,6 +301,7 @@ pub(crate) fn parse_server(
     }
     if let Some(host) = env(ENV_BODYLOG_LISTENER).filter(|h| !h.trim().is_empty()) {
         let mut envd = Diag::new("(environment)");
+        let host = with_env_port(host.trim(), env(ENV_BODYLOG_LISTENER_PORT).as_deref());
         c.bodylog_listener = listener(&host, ENV_BODYLOG_LISTENER, &mut envd);
         d.errors.append(&mut envd.errors);
     }
@@ -336,6 +341,29 @@ fn listeners_overlap(a: &SocketAddr, b: &SocketAddr) -> bool {
         std::net::IpAddr::V4(ip) => ip.is_unspecified() && o.is_ipv4(),
     };
     a.ip() == b.ip() || covers(a, b) || covers(b, a)
+}
+
+/// `BODYLOG_LISTENER_HOST` as an address: as given when it names a port (`host:port`,
+/// `[v6]:port`), else the host (an IPv6 one bracketed) with `BODYLOG_LISTENER_PORT`, or
+/// 9999 when that is unset or not a port, as in the reference's deployment.
+fn with_env_port(host: &str, port: Option<&str>) -> String {
+    let names_port = if host.starts_with('[') {
+        host.contains("]:")
+    } else {
+        host.contains(':') && host.matches(':').count() == 1
+    };
+    if names_port {
+        return host.to_string();
+    }
+    let port = port
+        .and_then(|p| p.trim().parse::<u16>().ok())
+        .filter(|&p| p > 0)
+        .unwrap_or(DEFAULT_BODYLOG_PORT);
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
 }
 
 /// A body-log listener address: "" = off, else `host:port`.

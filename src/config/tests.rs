@@ -153,8 +153,27 @@ fn env_overrides() {
     // "" turns key files off, the default path included.
     let c = load_strs_with(Some("api_keys_file = \"\""), &[], &no_env).unwrap();
     assert_eq!(c.server.api_keys_file, None);
+    // A host without a port takes BODYLOG_LISTENER_PORT, else 9999 (as the reference).
+    let bare = |port: Option<&'static str>| {
+        move |k: &str| match k {
+            "BODYLOG_LISTENER_HOST" => Some(" logs.internal ".to_string()),
+            "BODYLOG_LISTENER_PORT" => port.map(str::to_string),
+            _ => None,
+        }
+    };
+    for (port, want) in [
+        (Some("9000"), "logs.internal:9000"),
+        (None, "logs.internal:9999"),
+        (Some("nine"), "logs.internal:9999"),
+    ] {
+        let c = load_strs_with(None, &[], &bare(port)).unwrap();
+        assert_eq!(c.server.bodylog_listener.as_deref(), Some(want), "{port:?}");
+    }
+    let v6 = |k: &str| (k == "BODYLOG_LISTENER_HOST").then(|| "::1".to_string());
+    let c = load_strs_with(None, &[], &v6).unwrap();
+    assert_eq!(c.server.bodylog_listener.as_deref(), Some("[::1]:9999"));
     // A bad value from the environment is an error too.
-    let bad = |k: &str| (k == "BODYLOG_LISTENER_HOST").then(|| "nohostport".to_string());
+    let bad = |k: &str| (k == "BODYLOG_LISTENER_HOST").then(|| "10.1.2.3:port".to_string());
     let e = load_strs_with(None, &[], &bad).unwrap_err();
     assert_eq!(fields(&e), ["BODYLOG_LISTENER_HOST"]);
 }
@@ -604,6 +623,12 @@ fn max_body_size_above_ceiling() {
     )
     .unwrap_err();
     assert_eq!(fields(&e), ["max_body_size"]);
+    // "0" is no limit of the route's own: the ceiling (as nginx's client_max_body_size 0).
+    let zero = format!("{MIN_ROUTE}\nmax_body_size = \"0\"");
+    let c = strs(Some("max_body_size_ceiling = \"1m\""), &[("r", &zero)]).unwrap();
+    assert_eq!(c.routes[0].opts.max_body_size, 1 << 20);
+    let c = strs(None, &[("r", &zero)]).unwrap();
+    assert_eq!(c.routes[0].opts.max_body_size, 200 << 20);
 }
 
 #[test]
@@ -655,7 +680,8 @@ fn sizes_in_route_files() {
         ("\"512k\"", 512 << 10),
         ("\"1M\"", 1 << 20),
         ("4096", 4096),
-        ("\"0\"", 0),
+        // "0": no limit of the route's own, the server's ceiling (200m by default).
+        ("\"0\"", 200 << 20),
     ] {
         let c = one(&format!("{MIN_ROUTE}\nmax_body_size = {text}")).unwrap();
         assert_eq!(c.routes[0].opts.max_body_size, bytes, "{text}");
@@ -1012,6 +1038,29 @@ fn an_empty_key_table_and_an_empty_peer_list_are_warned_about() {
     // The control: a key table with a key, and a pool with a peer, are not.
     let c = one(&format!("{MIN_ROUTE}\napi_keys = {{ \"sk\" = \"o\" }}\n")).unwrap();
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+}
+
+/// Two reject rules of one name share a hit counter: the route loads, with a warning.
+/// The control: distinct names (and unnamed rules, `rule1`, `rule2`) give none.
+#[test]
+fn reject_rules_sharing_a_name_are_warned_about() {
+    let rules = |a: &str, b: &str| {
+        format!(
+            "{MIN_ROUTE}\nreject_rules = [ {{ {a} field = \"x\", op = \"exists\" }}, {{ {b} field = \"y\", op = \"exists\" }} ]\n"
+        )
+    };
+    let c = one(&rules("name = \"dup\",", "name = \"dup\",")).unwrap();
+    assert_eq!(fields(&c.warnings), ["reject_rules"], "{:?}", c.warnings);
+    assert!(
+        c.warnings[0].message.contains("\"dup\""),
+        "{:?}",
+        c.warnings
+    );
+    assert!(c.soft_errors.is_empty(), "{:?}", c.soft_errors);
+    for (a, b) in [("name = \"a\",", "name = \"b\","), ("", "")] {
+        let c = one(&rules(a, b)).unwrap();
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    }
 }
 
 /// Only the first entry of `ttft_metrics` / `tps_metrics` is measured and judged: a longer

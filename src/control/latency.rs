@@ -390,7 +390,11 @@ pub fn tick(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) {
         };
         if let Some(v) = aimd::step(&p, &input) {
             ps::set_aimd_limit(seg, pool.slots.ctl, v, now_s);
-            c(ctl::REJ).store(0, Relaxed);
+            // Take away what this step read, not all: a 429 counted by another worker since
+            // the read is left for the next step.
+            let _ = c(ctl::REJ).fetch_update(Relaxed, Relaxed, |r| {
+                Some(r.saturating_sub(input.rejected_since_last))
+            });
         }
     }
     let stamp = now_s / CLUSTER_AVG_INTERVAL_S;
