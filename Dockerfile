@@ -3,7 +3,14 @@
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY . .
+# The router is the profile-guided build (bench/pgo-build: trained against warmroute-mock under
+# wrk, installing wrk and llvm-<rustc's LLVM> with apt-get); PGO=0, or a failed training, gives
+# the plain build. A build sandbox without io_uring trains the epoll fallback only.
+ARG PGO=1
 RUN cargo build --release --locked --bin warmroute --bin warmroute-mock \
+ && if [ "$PGO" = 1 ] && CARGO_TARGET_DIR=/src/target bench/pgo-build; then \
+      cp target/pgo/warmroute target/release/warmroute; \
+    else echo "PGO build skipped or failed: the plain build is used"; fi \
  && strip target/release/warmroute target/release/warmroute-mock
 
 FROM debian:bookworm-slim

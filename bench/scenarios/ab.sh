@@ -25,7 +25,7 @@ AB_ACCESS_LOG=${AB_ACCESS_LOG:-off}
 
 scenario_ab() {
   [[ -n ${AB_A:-} && -x ${AB_A:-} ]] || die "ab: set AB_A to a warmroute binary (the baseline)"
-  local a=$AB_A b=${AB_B:-$BIN_DIR/warmroute}
+  local a=$AB_A b=${AB_B:-$WARMROUTE_BIN}
   [[ -x $b ]] || die "ab: AB_B ($b) is not an executable"
   begin_scenario ab
   local ts=$TS p=$BASE_PORT

@@ -32,7 +32,7 @@ scenario_callgrind() {
     "${sudo[@]}" apt-get update -qq
     DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq valgrind
   fi
-  local bins=${CG_BINS:-$BIN_DIR/warmroute}
+  local bins=${CG_BINS:-$WARMROUTE_BIN}
   begin_scenario callgrind
   local ts=$TS p=$BASE_PORT
   start_backend_nginx "$p" "$BACKEND_CPU"

@@ -174,7 +174,7 @@ EOF
     echo "affinity_hash = \"$hash\""
     echo "affinity_overflow = \"$overflow\""
   } >"$dir/routes/bench.toml"
-  spawn "$name" "" "$WORK/$name.log" "$BIN_DIR/warmroute" serve --config "$dir/warmroute.toml" \
+  spawn "$name" "" "$WORK/$name.log" "$WARMROUTE_BIN" serve --config "$dir/warmroute.toml" \
     --access-log off --workers 1 --no-pin
   wait_http "$name" "http://127.0.0.1:$aport/readyz" 200
 }
