@@ -1054,7 +1054,7 @@ async fn proxy(
                     }),
                 };
                 let mut stats = RelayStats {
-                    capture: bodylog_capture(ctx, route, &p.body, inserted_at, p.fields.is_some()),
+                    capture: bodylog_capture(ctx, route, &p.body, inserted_at, p.fields.as_ref()),
                     // The usage-frame filter reads the usage as the events pass: no tail then.
                     tail: (!filters.reads_usage()).then(|| ctx.take_tail(!event_stream)),
                     ..RelayStats::default()
@@ -1206,7 +1206,6 @@ async fn proxy(
                         routed: Some(&routed),
                         sid: sid.as_ref().map(|s| &*s.id),
                         source: &routing.source,
-                        fields: p.fields.as_ref(),
                         status: ex.head.status,
                         stats: &stats,
                     };
@@ -1353,15 +1352,15 @@ impl relay::BodyFilter for crate::transform::UsageFrameFilter {
 /// Start a body-log copy of this request when a listener is configured, the route logs
 /// bodies (runtime toggle, else the route option) and the sampling draw says so.
 /// `inserted_at`: the router inserted the usage member into `body` there; the capture
-/// keeps the client's body, without it. `parsed`: routing read the body's fields; when it
-/// did not, the capture reads the model and stream flag of the whole body now (the copy
-/// may be cut, and the body is given back before the response ends).
+/// keeps the client's body, without it. The record's model and stream flag come from
+/// `fields` when routing read them, else from the whole body, read now (the copy may be
+/// cut, and the body is given back before the response ends).
 fn bodylog_capture(
     ctx: &WorkerCtx,
     route: &RouteRt,
     body: &[u8],
     inserted_at: Option<usize>,
-    parsed: bool,
+    fields: Option<&BodyFields>,
 ) -> Option<Box<crate::bodylog::capture::Capture>> {
     if !ctx.bodylog_on() {
         return None;
@@ -1392,14 +1391,14 @@ fn bodylog_capture(
         // No insertion (or, defensively, a body too short to hold one): the body as it is.
         None => crate::bodylog::capture::Capture::new(body),
     };
-    if !parsed {
-        capture.set_request_facts(session_id::parse_body(body).map(|f| {
-            crate::bodylog::capture::RequestFacts {
-                model: f.model.clone(),
-                stream: f.stream,
-            }
-        }));
-    }
+    let facts = |f: &BodyFields| crate::bodylog::capture::RequestFacts {
+        model: f.model.clone(),
+        stream: f.stream,
+    };
+    capture.set_request_facts(match fields {
+        Some(f) => Some(facts(f)),
+        None => session_id::parse_body(body).as_ref().map(facts),
+    });
     Some(Box::new(capture))
 }
 
@@ -1415,9 +1414,6 @@ struct BodylogEntry<'a> {
     routed: Option<&'a Routed<'a>>,
     sid: Option<&'a str>,
     source: &'a str,
-    /// The body's fields as the router read them; `None` when it did not parse the body
-    /// (a header gave the session id) or the body is not a JSON object.
-    fields: Option<&'a BodyFields>,
     status: u16,
     stats: &'a RelayStats,
 }
@@ -1435,14 +1431,10 @@ fn bodylog_send(
     let secs = |t: Option<Instant>| {
         t.map(|t| (t.duration_since(e.started).as_secs_f64() * 1000.0).round() / 1000.0)
     };
-    // The record names the body's model and stream flag even when routing had no need to
-    // parse the body: then the capture read them when it began (only a sampled record
-    // pays). A body that is not JSON leaves both out.
-    let (model, stream) = match (e.fields, capture.request_facts()) {
-        (Some(f), _) => (f.model.clone(), Some(f.stream)),
-        (None, Some(f)) => (f.model.clone(), Some(f.stream)),
-        (None, None) => (None, None),
-    };
+    // The body's model and stream flag, as the capture took them when it began; a body
+    // that is not JSON leaves both out.
+    let facts = capture.request_facts();
+    let (model, stream) = (facts.and_then(|f| f.model.clone()), facts.map(|f| f.stream));
     let mut meta = json!({
         "ts_ms": e.start_ms,
         "request_id": format!("{:016x}{:016x}", ctx.random(), ctx.random()),
@@ -1866,13 +1858,7 @@ impl<'a> LoggedRequest<'a> {
         ctx: &WorkerCtx,
         route: &RouteRt,
     ) -> Option<crate::bodylog::capture::Capture> {
-        let mut c = bodylog_capture(
-            ctx,
-            route,
-            self.body,
-            self.inserted_at,
-            self.fields.is_some(),
-        )?;
+        let mut c = bodylog_capture(ctx, route, self.body, self.inserted_at, self.fields)?;
         if self.body_lost {
             c.set_request_truncated();
         }
@@ -1904,7 +1890,6 @@ impl<'a> LoggedRequest<'a> {
             routed: self.routed,
             sid: self.sid,
             source,
-            fields: self.fields,
             status,
             stats,
         };
