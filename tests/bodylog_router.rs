@@ -142,9 +142,7 @@ fn a_thousand_streams_give_a_thousand_records_and_a_dead_listener_costs_nothing(
 #[test]
 fn a_prompt_sized_request_body_is_logged_whole() {
     let (dir, _port, l, _m, env) = logged_route("bodylog-big");
-    let content: String = (0..50_000u32)
-        .map(|i| char::from(b'a' + (i % 26) as u8))
-        .collect();
+    let content = letters(50_000);
     let bodies: Vec<String> = (0..3)
         .map(|i| chat_body(&format!("{i} {content}"), false))
         .collect();
@@ -183,9 +181,7 @@ fn a_prompt_sized_request_body_is_logged_whole() {
 #[test]
 fn a_body_over_the_capture_cap_keeps_its_model_and_stream_flag() {
     let (dir, _port, l, _m, env) = logged_route("bodylog-cap");
-    let content: String = (0..3_000_000u32)
-        .map(|i| char::from(b'a' + (i % 26) as u8))
-        .collect();
+    let content = letters(3_000_000);
     let big = chat_body(&content, true);
     let r = request(
         env.public(),
@@ -236,9 +232,7 @@ fn a_body_over_the_capture_cap_keeps_its_model_and_stream_flag() {
 #[test]
 fn the_log_keeps_the_clients_body_when_the_router_injects_include_usage() {
     let (dir, _port, l, _m, env) = logged_route("bodylog-inject");
-    let long: String = (0..40_000u32)
-        .map(|i| char::from(b'a' + (i % 26) as u8))
-        .collect();
+    let long = letters(40_000);
     let bodies: Vec<String> = ["short", long.as_str()]
         .iter()
         .enumerate()

@@ -894,9 +894,7 @@ fn the_client_idle_wait_counts_from_the_last_response_and_closes_after_the_timeo
 /// of it.
 #[test]
 fn a_large_body_is_sent_whole_on_every_attempt() {
-    let content: String = (0..40_000u32)
-        .map(|i| char::from(b'a' + (i % 26) as u8))
-        .collect();
+    let content = letters(40_000);
     let body = chat_body(&content, false);
     assert!(body.len() > 40_000);
 

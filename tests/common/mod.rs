@@ -422,6 +422,11 @@ pub fn held_chat(addr: SocketAddr, headers: &str) -> JoinHandle<Resp> {
     })
 }
 
+/// `n` letters `abc…zab…`: a large message content with nothing to escape.
+pub fn letters(n: u32) -> String {
+    (0..n).map(|i| char::from(b'a' + (i % 26) as u8)).collect()
+}
+
 pub fn chat_body(content: &str, stream: bool) -> String {
     serde_json::json!({
         "model": "mock-model",
