@@ -201,6 +201,23 @@ fn metrics_follow_traffic_and_pass_promtool() {
     // The public port does not serve it.
     assert_eq!(request(env.public(), &get("/metrics")).status, 404);
 
+    // Failures: a 503 relayed by a peer with nobody left to try counts as that peer's
+    // failure, alone on its route (no retry) and as the last of a retry chain.
+    let failures = |s: &HashMap<String, f64>, p: &str| {
+        val(s, &format!("warmroute_peer_failures_total{{{p}}}"))
+    };
+    let r = request(addr, &chat("one", "x-mock-status: 503\r\n"));
+    assert_eq!(r.status, 503);
+    assert_eq!(r.header("x-routed-retries"), Some("0"));
+    let r = request(addr, &chat("r", "x-mock-status: 503\r\n"));
+    assert_eq!(r.status, 503);
+    assert_eq!(r.header("x-routed-retries"), Some("1"));
+    let (_, s) = scrape(&env);
+    assert_eq!(failures(&s, &solo), 1.0);
+    let both: f64 = r_peers.iter().map(|p| failures(&s, p)).sum();
+    assert_eq!(both, 2.0, "each peer of r answered 503 once");
+    assert_eq!(val(&s, r#"warmroute_retries_total{route="r"}"#), 1.0);
+
     promtool_check(&text);
 }
 

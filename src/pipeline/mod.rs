@@ -899,6 +899,12 @@ async fn proxy(
                     req_buf = ex.req;
                 }
                 Ok(ex) => {
+                    // A 502/503 relayed as the last answer (no peer left to try) is the
+                    // peer's failure too, as when a retry follows it.
+                    if retry_5xx {
+                        seg.peer_cell(peer.slot, cells::peer::FAILURES)
+                            .fetch_add(1, Relaxed);
+                    }
                     // A session a retry moved lives on the peer that served it now: its
                     // next turn goes there, to the prefix this turn left in that cache.
                     // Only after a failure of a peer's own (not this host's, out of
