@@ -72,6 +72,9 @@ fn apply_overrides(mut c: Config, o: &Overrides) -> Config {
     }
     if let Some(a) = o.listen {
         c.server.listen = a;
+        if c.server.shm_path_is_default {
+            c.server.shm_path = crate::config::default_shm_path(&a);
+        }
     }
     if let Some(a) = o.admin_listen {
         c.server.admin_listen = a;
@@ -599,6 +602,30 @@ impl Router {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn listen_moves_the_default_segment_but_not_a_written_one() {
+        let route = [("r", "peers = [ { host = \"127.0.0.1\", port = 9 } ]\n")];
+        let moved = Overrides {
+            listen: Some("127.0.0.1:9180".parse().unwrap()),
+            ..Overrides::default()
+        };
+        // No shm_path written: two routers told apart only by --listen get a segment each.
+        let c =
+            crate::config::load_from_strs(Some("listen = \"127.0.0.1:9080\"\n"), &route).unwrap();
+        assert_eq!(c.server.shm_path, PathBuf::from("/dev/shm/warmroute-9080"));
+        let c = apply_overrides(c, &moved);
+        assert_eq!(c.server.shm_path, PathBuf::from("/dev/shm/warmroute-9180"));
+        // A written shm_path stays, even when it reads like the default.
+        let c = crate::config::load_from_strs(
+            Some("listen = \"127.0.0.1:9080\"\nshm_path = \"/dev/shm/warmroute-9080\"\n"),
+            &route,
+        )
+        .unwrap();
+        let c = apply_overrides(c, &moved);
+        assert_eq!(c.server.shm_path, PathBuf::from("/dev/shm/warmroute-9080"));
+        assert_eq!(c.server.listen, "127.0.0.1:9180".parse().unwrap());
+    }
 
     #[test]
     fn a_peer_name_that_resolves_elsewhere_is_noticed() {

@@ -34,8 +34,9 @@ pub use route::{
     MAX_PEERS_PER_ROUTE,
 };
 pub use server::{
-    listen_conflict, BusyPoll, ServerConfig, ServerDefaults, DEFAULT_ADMIN_LISTEN, DEFAULT_LISTEN,
-    DEFAULT_MAX_BODY_SIZE_CEILING, ENV_API_KEYS_FILE, ENV_BODYLOG_LISTENER,
+    default_shm_path, listen_conflict, BusyPoll, ServerConfig, ServerDefaults,
+    DEFAULT_ADMIN_LISTEN, DEFAULT_LISTEN, DEFAULT_MAX_BODY_SIZE_CEILING, ENV_API_KEYS_FILE,
+    ENV_BODYLOG_LISTENER,
 };
 pub use value::parse_size;
 

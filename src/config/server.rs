@@ -40,6 +40,9 @@ pub struct ServerConfig {
     /// As written, or resolved to an absolute path by `load`.
     pub routes_dir: PathBuf,
     pub shm_path: PathBuf,
+    /// `shm_path` was not written, so it follows the public port: a `--listen` that moves
+    /// the port moves the default segment with it.
+    pub shm_path_is_default: bool,
     pub api_keys_file: Option<PathBuf>,
     /// No route's `max_body_size` may exceed it.
     pub max_body_size_ceiling: u64,
@@ -83,7 +86,8 @@ pub const ENV_BODYLOG_LISTENER: &str = "BODYLOG_LISTENER_HOST";
 pub const ENV_BODYLOG_LISTENER_PORT: &str = "BODYLOG_LISTENER_PORT";
 pub const DEFAULT_BODYLOG_PORT: u16 = 9999;
 
-fn default_shm_path(listen: &SocketAddr) -> PathBuf {
+/// The segment of a router whose server file names none: one per public port.
+pub fn default_shm_path(listen: &SocketAddr) -> PathBuf {
     PathBuf::from(format!("/dev/shm/warmroute-{}", listen.port()))
 }
 
@@ -100,6 +104,7 @@ impl Default for ServerConfig {
             workers: 0,
             routes_dir: PathBuf::from("routes"),
             shm_path: default_shm_path(&listen),
+            shm_path_is_default: true,
             api_keys_file: Some(PathBuf::from(DEFAULT_API_KEYS_FILE)),
             max_body_size_ceiling: DEFAULT_MAX_BODY_SIZE_CEILING,
             drain_timeout_s: 300,
@@ -217,6 +222,7 @@ pub(crate) fn parse_server(
                     }
                     "shm_path" => {
                         c.shm_path = PathBuf::from(s);
+                        c.shm_path_is_default = false;
                         shm_set = true;
                     }
                     _ => c.api_keys_file = Some(PathBuf::from(s)),
