@@ -2532,3 +2532,65 @@ fn a_reloaded_drain_timeout_is_the_one_a_drain_keeps() {
         "the stream was cut"
     );
 }
+
+/// The process's address space, in KiB (`VmSize`).
+fn vm_size_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmSize:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// SPEC §14 (every buffer bounded): a head that declares a large `Content-Length` and sends
+/// nothing more holds a small buffer, not `max_body_size`. Before, each such head had the
+/// router allocate the whole declared length, and a capped address space (`ulimit -v`,
+/// strict overcommit) aborted the process after a few dozen of them.
+#[test]
+fn heads_declaring_large_bodies_do_not_reserve_them() {
+    const DECLARED: usize = 16 * 1024 * 1024;
+    const HEADS: usize = 32;
+    let d = temp_dir("bodybuf");
+    let b = raw_backend(
+        vec![b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}".to_vec()],
+        usize::MAX,
+    );
+    std::fs::write(
+        d.0.join("routes/a.toml"),
+        route_for(&[b.addr], "max_body_size = \"20m\"\n"),
+    )
+    .unwrap();
+    let p = start_serve(&d.0);
+    let head = format!(
+        "POST /a/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {DECLARED}\r\n\r\n{{"
+    );
+    let before = vm_size_kib(p.child.id());
+    let mut conns: Vec<std::net::TcpStream> = (0..HEADS)
+        .map(|_| {
+            let mut s = connect(p.public);
+            s.write_all(head.as_bytes()).unwrap();
+            s
+        })
+        .collect();
+    // Every head read and its body begun: each connection's first byte is in.
+    std::thread::sleep(Duration::from_millis(500));
+    let grown_mib = vm_size_kib(p.child.id()).saturating_sub(before) / 1024;
+    assert!(
+        grown_mib < 128,
+        "{HEADS} heads of {DECLARED} bytes grew the router by {grown_mib} MiB"
+    );
+    // The control: the body that does arrive grows its buffer to the whole and reaches the
+    // peer intact.
+    let mut s = conns.pop().unwrap();
+    let mut rest = vec![b' '; DECLARED - 2];
+    rest.push(b'}');
+    s.write_all(&rest).unwrap();
+    let r = read_response(&mut BufReader::new(&mut s), false).unwrap();
+    assert_eq!(r.status, 200);
+    let got = b.requests.lock().unwrap();
+    assert_eq!(got.len(), 1);
+    let body = &got[0][got[0].len() - DECLARED..];
+    assert_eq!((body[0], body[DECLARED - 1]), (b'{', b'}'));
+    assert!(body[1..DECLARED - 1].iter().all(|&c| c == b' '));
+}

@@ -17,7 +17,7 @@ use monoio::net::TcpStream;
 use monoio::time::{Instant, Sleep};
 
 use crate::http::{self, BodyFraming, ChunkedDecoder, HeadParse, RequestHead};
-use crate::limits::CLIENT_READ_BUF_BYTES;
+use crate::limits::{BODY_BUF_FIRST_BYTES, CLIENT_READ_BUF_BYTES};
 use crate::worker::SpareBodies;
 
 use super::error_response::ProxyError;
@@ -315,13 +315,24 @@ impl ClientConn {
                 }
                 // The body gets a buffer of its own (a spare one for a large body); the
                 // connection keeps its read buffer (and its capacity) for the next request.
-                let mut body = spares.take(n);
+                // The buffer follows the bytes that came, not the length the head declares:
+                // heads alone must not reserve `max_body_size` each.
                 let have = self.inbuf.len().min(n);
+                let mut body = spares.take(n.min(have.max(BODY_BUF_FIRST_BYTES)));
                 body.extend_from_slice(&self.inbuf[..have]);
                 self.inbuf.drain(..have);
                 while body.len() < n {
                     let len = body.len();
-                    let read = pin!(self.rd.read(body.slice_mut(len..n)));
+                    if body.capacity() == len {
+                        // Full: double it, up to the declared length (and the room the
+                        // usage injection may use, as `take` leaves).
+                        let to = (2 * len)
+                            .max(BODY_BUF_FIRST_BYTES)
+                            .min(n + crate::transform::USAGE_MEMBER.len());
+                        body.reserve_exact(to - len);
+                    }
+                    let end = body.capacity().min(n);
+                    let read = pin!(self.rd.read(body.slice_mut(len..end)));
                     let deadline = Instant::now() + read_timeout;
                     let (res, slice) =
                         match until_drain_deadline(&mut self.timer, deadline, drain, read).await {
