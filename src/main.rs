@@ -422,13 +422,13 @@ fn run_until_signalled(
             }
             Ok(SIGINT) => {
                 tracing::info!("SIGINT: draining (5 s limit)");
-                router.shutdown(Duration::from_secs(5));
+                drain_listening(router, SIGINT_DRAIN, &rx);
                 break ExitCode::SUCCESS;
             }
             Ok(_) => {
                 let t = drain_default(&router);
                 tracing::info!(timeout_s = t.as_secs(), "draining");
-                router.shutdown(t);
+                drain_listening(router, t, &rx);
                 break ExitCode::SUCCESS;
             }
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
@@ -441,6 +441,30 @@ fn run_until_signalled(
     };
     handle.close();
     code
+}
+
+/// The drain limit of SIGINT (SPEC §1).
+const SIGINT_DRAIN: Duration = Duration::from_secs(5);
+
+/// Drain within `timeout` and wait for the workers, still listening to signals: a SIGINT
+/// brings the end to at most [`SIGINT_DRAIN`] from then (an operator's Ctrl-C after a
+/// SIGTERM, or on an old router draining after a takeover, with `drain_timeout_s` at its
+/// 300 s); SIGHUP and SIGUSR1 still reopen the access log.
+fn drain_listening(router: Router, timeout: Duration, rx: &crossbeam_channel::Receiver<i32>) {
+    router.workers.drain(timeout);
+    while !router.workers.is_finished() {
+        match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(SIGINT) => {
+                tracing::info!("SIGINT while draining: the drain ends within 5 s");
+                router.workers.cut_drain(SIGINT_DRAIN);
+            }
+            Ok(SIGHUP | SIGUSR1) => router.reopen_logs(),
+            Ok(_) => tracing::info!("already draining"),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    router.workers.join();
 }
 
 fn reload(router: &mut Router) {

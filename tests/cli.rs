@@ -796,6 +796,36 @@ fn sigterm_drains_in_flight_streams_then_exits() {
     assert!(status.success());
 }
 
+/// SPEC §1: SIGINT drains with a 5 s limit, also when it comes during a SIGTERM's drain
+/// (at `drain_timeout_s`, 300 s by default). Before, the SIGINT went unread and the router
+/// drained on to the first deadline.
+#[test]
+fn sigint_during_a_drain_ends_it_within_five_seconds() {
+    // A stream of 60 s: the drain would wait for it.
+    let (_d, _m, mut p, s) = serve_streaming("drain-int", 600);
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    assert!(line.starts_with("HTTP/1.1 200"));
+    p.signal("TERM");
+    // The control: the drain began and holds the stream (the router is still there).
+    eventually(Duration::from_secs(3), "listener closed", || {
+        std::net::TcpStream::connect(p.public).is_err()
+    });
+    assert!(p.wait_exit(Duration::from_millis(1_000)).is_none());
+    let t0 = Instant::now();
+    p.signal("INT");
+    let status = p
+        .wait_exit(Duration::from_secs(9))
+        .expect("the router exits within the SIGINT's 5 s");
+    assert!(status.success(), "{status:?}");
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_millis(4_500),
+        "the drain still ran to its cut deadline: {took:?}"
+    );
+}
+
 /// While a router drains, an idle kept connection closes when the drain's grace ends,
 /// even when its client keeps sending empty lines (each one used to restart the grace, and
 /// the connection stayed open up to its idle timeout).

@@ -185,6 +185,16 @@ impl Workers {
         self.shared.draining.store(true, Ordering::Release);
     }
 
+    /// Bring a drain's end forward to `timeout` from now, unless it comes sooner (a SIGINT
+    /// during a SIGTERM's drain). Every worker stops by then, plus its cut grace; what is
+    /// still in flight then closes without its access line.
+    pub fn cut_drain(&self, timeout: Duration) {
+        let deadline = warmroute_shm::now_ms() + timeout.as_millis() as u64;
+        self.shared
+            .drain_deadline_ms
+            .fetch_min(deadline, Ordering::AcqRel);
+    }
+
     pub fn is_finished(&self) -> bool {
         self.handles.iter().all(|h| h.is_finished())
     }
