@@ -35,6 +35,25 @@ pub struct PeerRt {
     pub key_hash: u64,
 }
 
+impl PeerRt {
+    fn new(p: &crate::config::PeerConfig, slot: PeerSlot) -> PeerRt {
+        PeerRt {
+            name: p.name.clone(),
+            addr: p.addr,
+            host_header: if p.port == 80 {
+                p.host.clone()
+            } else {
+                format!("{}:{}", p.host, p.port)
+            },
+            priority: p.priority,
+            max_concurrency: p.max_concurrency,
+            slot,
+            probe: p.probe.clone(),
+            key_hash: crate::pipeline::peer_select::fnv1a64(p.addr.to_string().as_bytes()),
+        }
+    }
+}
+
 /// A pool: the flat `peers` list, or one `peers_by_model` entry.
 #[derive(Debug)]
 pub struct PoolRt {
@@ -45,6 +64,26 @@ pub struct PoolRt {
 }
 
 impl PoolRt {
+    /// Route `route`'s pool `pool` as a running router keeps it in `seg`, looked up without
+    /// taking a slot (for `warmroute status`, which must not write to a router's
+    /// segment); `None` when the segment has no state for it.
+    pub fn find(seg: &Segment, route: &str, pool: &crate::config::Pool) -> Option<PoolRt> {
+        let model = pool.model.as_deref();
+        let peers = pool
+            .peers
+            .iter()
+            .map(|p| {
+                let slot = seg.find_peer_slot(&peer_key(route, model, p.addr))?;
+                Some(PeerRt::new(p, slot))
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(PoolRt {
+            model: pool.model.clone(),
+            peers,
+            slots: crate::control::pool_state::PoolSlots::find(seg, route, model)?,
+        })
+    }
+
     /// Each peer's load and health as selection sees it, read from the segment.
     pub fn loads(&self, seg: &Segment, now_ms: u64) -> Vec<Load> {
         let mut v = Vec::with_capacity(self.peers.len());
@@ -227,22 +266,7 @@ impl Snapshot {
                     let slot = seg
                         .peer_slot(&key)
                         .ok_or_else(|| full(seg, true, &format!("peer {key}")))?;
-                    peers.push(PeerRt {
-                        name: p.name.clone(),
-                        addr: p.addr,
-                        host_header: if p.port == 80 {
-                            p.host.clone()
-                        } else {
-                            format!("{}:{}", p.host, p.port)
-                        },
-                        priority: p.priority,
-                        max_concurrency: p.max_concurrency,
-                        slot,
-                        probe: p.probe.clone(),
-                        key_hash: crate::pipeline::peer_select::fnv1a64(
-                            p.addr.to_string().as_bytes(),
-                        ),
-                    });
+                    peers.push(PeerRt::new(p, slot));
                 }
                 let slots = crate::control::pool_state::PoolSlots::new(
                     seg,

@@ -152,5 +152,71 @@ pub fn render(path: &Path, config: Option<&Config>) -> std::io::Result<Status> {
             "{stale} row(s) marked (removed): no longer in the configuration (a reload dropped them); their slots are freed once no request or draining router uses them"
         );
     }
+    match config {
+        Some(c) => pools(&mut out, &seg, c, now),
+        None => {
+            let _ = writeln!(
+                out,
+                "\npools: give --config for each pool's limits and EWMAs (the segment does not name them)"
+            );
+        }
+    }
     Ok(Status { text: out, running })
+}
+
+/// The pool table: what the gates compare (SPEC §5.1, §5.2, §5.4) — the pool's in-flight
+/// count, its healthy capacity, the limit the concurrency gate applies (the adaptive one
+/// when adaptive concurrency is in force) and the pool EWMAs the TTFT and decode-rate
+/// gates read. Pools the segment has no state for (not loaded yet) are left out.
+fn pools(out: &mut String, seg: &Segment, config: &Config, now_ms: u64) {
+    use crate::control::latency::{self, Signal};
+    let _ = writeln!(
+        out,
+        "\n{:<40} {:>8} {:>9} {:>7} {:>9} {:>12} {:>10}",
+        "POOL (route/model)",
+        "INFLIGHT",
+        "CAPACITY",
+        "LIMIT",
+        "ADAPTIVE",
+        "TTFT_EWMA_MS",
+        "TOKENS_S"
+    );
+    let now_s = now_ms / 1000;
+    let shown = |v: Option<f64>| match v {
+        Some(v) if v.is_finite() => format!("{v:.1}"),
+        _ => "-".into(),
+    };
+    for r in &config.routes {
+        for pool in &r.pools {
+            let Some(rt) = crate::snapshot::PoolRt::find(seg, &r.name, pool) else {
+                continue;
+            };
+            let name = match &pool.model {
+                Some(m) => format!("{}/{m}", r.name),
+                None => r.name.clone(),
+            };
+            let loads = rt.loads(seg, now_ms);
+            let capacity =
+                crate::pipeline::admission::figures(&loads, 1.0).map_or(0.0, |f| f.limit);
+            let limit = latency::concurrency_limit(&r.opts, &rt, seg, now_s, capacity);
+            let adaptive = latency::adaptive_in_force(&r.opts, &rt, seg);
+            let _ = writeln!(
+                out,
+                "{:<40} {:>8} {:>9} {:>7} {:>9} {:>12} {:>10}",
+                name,
+                latency::pool_inflight(&rt, seg),
+                capacity,
+                limit,
+                if adaptive { "yes" } else { "no" },
+                shown(latency::current_ewma(
+                    &r.opts,
+                    Signal::Ttft,
+                    &rt,
+                    seg,
+                    now_s
+                )),
+                shown(latency::current_ewma(&r.opts, Signal::Tps, &rt, seg, now_s)),
+            );
+        }
+    }
 }

@@ -1885,6 +1885,80 @@ fn poll(limit: Duration, what: &str, mut f: impl FnMut() -> bool) {
 }
 
 /// `warmroute status --shm <segment>`.
+/// SPEC §1: `status` prints the limits and EWMAs the gates use, which are the pool's, not
+/// only each peer's: its in-flight count, healthy capacity, the limit the concurrency gate
+/// applies (the adaptive one where adaptive concurrency is on) and its TTFT and
+/// decode-rate EWMAs. Before, it had peer rows only.
+#[test]
+fn status_shows_each_pools_limit_and_ewmas() {
+    let d = temp_dir("status-pools");
+    let (m0, m1, m2) = (mock("m0"), mock("m1"), mock("m2"));
+    let peer = |m: &warmroute_mock::MockServer, name: &str| {
+        format!(
+            "{{ host = \"127.0.0.1\", port = {}, name = \"{name}\", max_concurrency = 16 }}",
+            m.addr().port()
+        )
+    };
+    std::fs::write(
+        d.0.join("routes/ac.toml"),
+        format!(
+            "adaptive_cc = true\nadaptive_cc_init_frac = 0.5\ntps_limit_tps = 15\n[peers_by_model]\n\"big\" = [ {}, {} ]\n",
+            peer(&m0, "b0"),
+            peer(&m1, "b1")
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        d.0.join("routes/plain.toml"),
+        format!("ttft_window = 1\npeers = [ {} ]\n", peer(&m2, "p0")),
+    )
+    .unwrap();
+    let p = start_serve(&d.0);
+    // One finished stream on `plain` (its EWMAs), one held on `big`.
+    let done = request(
+        p.public,
+        &post_json("/plain/v1/chat/completions", &chat_body("x", true), ""),
+    );
+    assert_eq!(done.status, 200);
+    let mut held = connect(p.public);
+    let body = r#"{"model":"big","stream":true,"messages":[{"role":"user","content":"x"}]}"#;
+    held.write_all(&post_json(
+        "/ac/v1/chat/completions",
+        body,
+        "x-mock-hang-ms: 5000\r\n",
+    ))
+    .unwrap();
+    eventually(Duration::from_secs(5), "request in the engine", || {
+        m0.stats().active + m1.stats().active == 1
+    });
+    let text = status_with("--config", &d.0.join("warmroute.toml"));
+    let pool = |name: &str| {
+        status_row(&text, name).unwrap_or_else(|| panic!("no pool row {name}:\n{text}"))
+    };
+    // POOL INFLIGHT CAPACITY LIMIT ADAPTIVE TTFT_EWMA_MS TOKENS_S
+    let big = pool("ac/big");
+    assert_eq!(big[1..5], ["1", "32", "16", "yes"], "{text}");
+    let plain = pool("plain");
+    assert_eq!(plain[1..5], ["0", "16", "16", "no"], "{text}");
+    assert_eq!(big[5], "-", "no sample yet: {text}");
+    // The pool's TTFT EWMA once a window (1 s here) with samples has closed.
+    let cfg = d.0.join("warmroute.toml");
+    eventually(Duration::from_secs(10), "the pool's TTFT EWMA", || {
+        let r = request(
+            p.public,
+            &post_json("/plain/v1/chat/completions", &chat_body("x", true), ""),
+        );
+        assert_eq!(r.status, 200);
+        std::thread::sleep(Duration::from_millis(300));
+        let text = status_with("--config", &cfg);
+        status_row(&text, "plain").is_some_and(|r| r[5].parse::<f64>().is_ok())
+    });
+    // Without the configuration the segment does not name pools: it says how to see them.
+    let text = status_text(&p.shm);
+    assert!(text.contains("give --config"), "{text}");
+    drop(held);
+}
+
 fn status_text(shm: &Path) -> String {
     status_with("--shm", shm)
 }

@@ -68,6 +68,19 @@ pub struct PoolSlots {
 
 impl PoolSlots {
     pub fn new(seg: &Segment, route: &str, model: Option<&str>) -> Option<PoolSlots> {
+        Self::with(route, model, |k| seg.route_slot(k))
+    }
+
+    /// The slots a router took for the pool, without taking any (`None` if one is missing).
+    pub fn find(seg: &Segment, route: &str, model: Option<&str>) -> Option<PoolSlots> {
+        Self::with(route, model, |k| seg.find_route_slot(k))
+    }
+
+    fn with(
+        route: &str,
+        model: Option<&str>,
+        slot: impl Fn(&str) -> Option<RouteSlot>,
+    ) -> Option<PoolSlots> {
         let key = |kind: &str| {
             let k = format!("{route}#{kind}:{}", model.unwrap_or(""));
             if k.len() <= warmroute_shm::MAX_KEY_BYTES {
@@ -77,9 +90,9 @@ impl PoolSlots {
             }
         };
         Some(PoolSlots {
-            ttft: seg.route_slot(&key("ttft"))?,
-            tps: seg.route_slot(&key("tps"))?,
-            ctl: seg.route_slot(&key("ctl"))?,
+            ttft: slot(&key("ttft"))?,
+            tps: slot(&key("tps"))?,
+            ctl: slot(&key("ctl"))?,
         })
     }
 }
