@@ -1959,6 +1959,41 @@ fn status_shows_each_pools_limit_and_ewmas() {
     drop(held);
 }
 
+/// A router that has just exited can hold its port a moment longer (the kernel closes an
+/// io_uring's listeners after the process is gone): a start right after looks again for a
+/// second instead of refusing at once ("already served by another process").
+#[test]
+fn a_start_waits_a_moment_for_a_port_being_let_go() {
+    let d = temp_dir("port-let-go");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let public = holder.local_addr().unwrap();
+    let admin = free_port();
+    let shm = d.0.join("segment");
+    let cfg = server_file(&d.0, public.port(), admin, &shm);
+    let letting_go = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        drop(holder);
+    });
+    let mut p = Proc {
+        child: spawn_serve(&cfg, &[]),
+        public,
+        admin: format!("127.0.0.1:{admin}").parse().unwrap(),
+        shm,
+    };
+    letting_go.join().unwrap();
+    assert!(
+        wait_ready_or_exit(&mut p, &d.0),
+        "the router refused a port let go 0.3 s after its start"
+    );
+    let r = request(
+        p.public,
+        &post_json("/a/v1/chat/completions", &chat_body("x", false), ""),
+    );
+    assert_eq!(r.status, 200);
+}
+
 fn status_text(shm: &Path) -> String {
     status_with("--shm", shm)
 }

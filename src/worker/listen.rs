@@ -2,8 +2,8 @@
 //! thread so that port 0 resolves once and every worker shares the same port.
 //!
 //! Before binding, a plain bind (no SO_REUSEPORT) probes the port: if any other socket
-//! holds it — a stale or live warmroute included — startup refuses, unless `--takeover`
-//! asks to share the port with the process being replaced.
+//! holds it — a stale or live warmroute included — for more than a second, startup
+//! refuses, unless `--takeover` asks to share the port with the process being replaced.
 
 use std::io;
 use std::net::{SocketAddr, TcpListener};
@@ -35,6 +35,11 @@ pub fn bind_shared(
         // another warmroute whose SO_REUSEPORT sockets would otherwise silently share it.
         match TcpListener::bind(addr) {
             Ok(probe) => drop(probe),
+            // A router that has just exited can hold its listeners a moment longer (the
+            // kernel closes an io_uring's sockets after the process is gone): a restart
+            // right after a stop looks again for a while before it refuses.
+            Err(e)
+                if e.kind() == io::ErrorKind::AddrInUse && freed_within(addr, PORT_FREE_WAIT) => {}
             Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
                 return Err(io::Error::new(io::ErrorKind::AddrInUse, in_use(addr)))
             }
@@ -49,6 +54,21 @@ pub fn bind_shared(
         all.push(reuseport_socket(bound)?);
     }
     Ok((all, bound))
+}
+
+/// How long a start waits for a port held by someone else to be let go before refusing.
+const PORT_FREE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Whether a plain bind of `addr` succeeds within `wait` (looking every 50 ms).
+fn freed_within(addr: SocketAddr, wait: std::time::Duration) -> bool {
+    let until = std::time::Instant::now() + wait;
+    while std::time::Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        if TcpListener::bind(addr).is_ok() {
+            return true;
+        }
+    }
+    false
 }
 
 /// Whether a listener (of any process) already serves `addr`: a plain bind fails and a
