@@ -175,7 +175,18 @@ fn load_with(server_file: Option<&Path>, cwd: &Path, env: Env) -> Result<Config,
     let mut dir_diag =
         Diag::new(server_file.map_or_else(|| config.routes_dir.clone(), Path::to_path_buf));
     let sources = match list_route_files(&config.routes_dir) {
-        Ok(files) => files,
+        Ok((files, skipped)) => {
+            for path in skipped {
+                dir_diag.warn(
+                    "routes_dir",
+                    format!(
+                        "{} is not a readable regular file (a directory, or a symlink to nothing): skipped",
+                        path.display()
+                    ),
+                );
+            }
+            files
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && !routes_dir_set => Vec::new(),
         Err(e) => {
             dir_diag.error(
@@ -190,9 +201,11 @@ fn load_with(server_file: Option<&Path>, cwd: &Path, env: Env) -> Result<Config,
     finish(config, routes, server_file.map(Path::to_path_buf), diags)
 }
 
-/// Every `*.toml` regular file (symlinks followed, hidden files skipped) in `dir`, by name.
-fn list_route_files(dir: &Path) -> std::io::Result<Vec<RouteSource>> {
+/// Every `*.toml` regular file (symlinks followed, hidden files skipped) in `dir`, by name;
+/// and the `*.toml` names that are not one (a directory, a dangling symlink), to warn of.
+fn list_route_files(dir: &Path) -> std::io::Result<(Vec<RouteSource>, Vec<PathBuf>)> {
     let mut files = Vec::new();
+    let mut skipped = Vec::new();
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
         let hidden = path
@@ -200,7 +213,11 @@ fn list_route_files(dir: &Path) -> std::io::Result<Vec<RouteSource>> {
             .and_then(|n| n.to_str())
             .is_some_and(|n| n.starts_with('.'));
         let is_toml = path.extension().is_some_and(|e| e == "toml");
-        if hidden || !is_toml || !path.is_file() {
+        if hidden || !is_toml {
+            continue;
+        }
+        if !path.is_file() {
+            skipped.push(path);
             continue;
         }
         let name = path
@@ -215,7 +232,8 @@ fn list_route_files(dir: &Path) -> std::io::Result<Vec<RouteSource>> {
         });
     }
     files.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(files)
+    skipped.sort();
+    Ok((files, skipped))
 }
 
 /// Parses the server file (`None` = no file) and records its problems.

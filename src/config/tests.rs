@@ -1086,3 +1086,27 @@ fn metric_lists_longer_than_one_entry_are_warned_about() {
         "{w}"
     );
 }
+
+/// A `*.toml` name in the routes directory that is not a file to read (a directory, a
+/// symlink to nothing) is skipped with a warning naming it, so `check` shows why a route is
+/// missing; a hidden file is skipped without one.
+#[test]
+fn route_names_that_are_not_files_are_skipped_with_a_warning() {
+    let dir = TempDir::new();
+    let server = dir.write("warmroute.toml", "");
+    dir.write("routes/a.toml", MIN_ROUTE);
+    dir.write("routes/.swap.toml", MIN_ROUTE);
+    std::fs::create_dir_all(dir.0.join("routes/d.toml")).unwrap();
+    std::os::unix::fs::symlink(dir.0.join("gone.toml"), dir.0.join("routes/l.toml")).unwrap();
+    let c = load_with(Some(&server), Path::new("/"), &no_env).unwrap_or_else(|e| panic!("{e:#?}"));
+    // The control: the route file loads.
+    assert_eq!(c.routes.len(), 1);
+    assert!(c.route("a").is_some());
+    let warned: Vec<&str> = c.warnings.iter().map(|w| w.message.as_str()).collect();
+    assert_eq!(warned.len(), 2, "{warned:?}");
+    assert!(
+        warned[0].contains("routes/d.toml") && warned[0].contains("skipped"),
+        "{warned:?}"
+    );
+    assert!(warned[1].contains("routes/l.toml"), "{warned:?}");
+}
