@@ -772,9 +772,18 @@ fn serve_streaming(
     (d, m, p, s)
 }
 
-#[test]
-fn sigterm_drains_in_flight_streams_then_exits() {
-    let (_d, _m, mut p, s) = serve_streaming("drain", 8);
+/// [`serve_streaming`], then SIGTERM once the stream's response has begun: returns when
+/// the drain has closed the listeners, with the stream's reader past its status line.
+fn streaming_then_sigterm(
+    tag: &str,
+    tokens: u32,
+) -> (
+    Dir,
+    warmroute_mock::MockServer,
+    Proc,
+    BufReader<std::net::TcpStream>,
+) {
+    let (d, m, p, s) = serve_streaming(tag, tokens);
     let mut r = BufReader::new(s);
     let mut line = String::new();
     r.read_line(&mut line).unwrap();
@@ -784,6 +793,12 @@ fn sigterm_drains_in_flight_streams_then_exits() {
     eventually(Duration::from_secs(3), "listener closed", || {
         std::net::TcpStream::connect(p.public).is_err()
     });
+    (d, m, p, r)
+}
+
+#[test]
+fn sigterm_drains_in_flight_streams_then_exits() {
+    let (_d, _m, mut p, mut r) = streaming_then_sigterm("drain", 8);
     let mut rest = String::new();
     r.read_to_string(&mut rest).unwrap();
     assert!(
@@ -802,16 +817,8 @@ fn sigterm_drains_in_flight_streams_then_exits() {
 #[test]
 fn sigint_during_a_drain_ends_it_within_five_seconds() {
     // A stream of 60 s: the drain would wait for it.
-    let (_d, _m, mut p, s) = serve_streaming("drain-int", 600);
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    r.read_line(&mut line).unwrap();
-    assert!(line.starts_with("HTTP/1.1 200"));
-    p.signal("TERM");
+    let (_d, _m, mut p, _stream) = streaming_then_sigterm("drain-int", 600);
     // The control: the drain began and holds the stream (the router is still there).
-    eventually(Duration::from_secs(3), "listener closed", || {
-        std::net::TcpStream::connect(p.public).is_err()
-    });
     assert!(p.wait_exit(Duration::from_millis(1_000)).is_none());
     let t0 = Instant::now();
     p.signal("INT");
