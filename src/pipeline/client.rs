@@ -280,6 +280,21 @@ impl ClientConn {
     ///
     /// A body still arriving at the drain deadline ends the wait there with
     /// [`ProxyError::ShuttingDown`] (an empty `peer`), answered and logged like any refusal.
+    /// For a request refused from its head: whether its body is off the wire, so the
+    /// connection can serve the next request. It is when there is none, or when a
+    /// `Content-Length` body came whole with the head (it is dropped here). A body still
+    /// arriving, or a chunked one, stays unread, and the connection must close.
+    pub fn drop_buffered_body(&mut self, head: &RequestHead) -> bool {
+        match head.body {
+            BodyFraming::None => true,
+            BodyFraming::Length(n) if self.inbuf.len() as u64 >= n => {
+                self.inbuf.drain(..n as usize);
+                true
+            }
+            _ => false,
+        }
+    }
+
     pub async fn read_body(
         &mut self,
         head: &RequestHead,

@@ -227,7 +227,8 @@ async fn handle_request(
         (_, d) => {
             // Only a route's debug endpoints read a body (overrides, toggles). Anything
             // else is answered from the head: a long prompt sent to a mistyped route gets
-            // its 404 at once, not a 413 or a 404 after the upload. The body is then left
+            // its 404 at once, not a 413 or a 404 after the upload. A body that came whole
+            // with the head is dropped and the connection kept; one still arriving is left
             // unread and the connection closes.
             let reads_body = matches!(d, Dispatch::Debug { .. });
             let body = if reads_body {
@@ -248,7 +249,7 @@ async fn handle_request(
             let loopback = crate::admin::is_local_admin(conn.addr);
             let resp = crate::admin::answer(ctx, &snap, d, kind, &head, &body, loopback);
             let (status, body_bytes) = (resp.status, resp.body.len() as u64);
-            let body_unread = !reads_body && head.body != crate::http::BodyFraming::None;
+            let body_unread = !reads_body && !conn.drop_buffered_body(&head);
             let keep = head.keep_alive && !ctx.drain.is_fired() && !body_unread;
             let resp = error_response::for_request(&head, resp.into_bytes(keep));
             let sent = conn.write_all_bytes(resp).await.is_ok();
@@ -508,7 +509,9 @@ async fn proxy(
                     .fetch_add(1, Relaxed);
             }
             // A refusal before the body was read leaves it on the wire: close then.
-            // (No route lists models: a bare request is refused from its head.)
+            // (No route lists models: a bare request is refused from its head.) A bare
+            // request's 401 comes after its body was read; closing then costs only a
+            // reconnect, where dropping a body already read would eat the next request.
             let body_unread = matches!(&e, ProxyError::Unauthorized)
                 || matches!(&e, ProxyError::ModelNotSupported { supported, .. } if supported.is_empty());
             let body_unread = body_unread && head.body != crate::http::BodyFraming::None;
