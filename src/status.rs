@@ -120,15 +120,14 @@ pub fn render(path: &Path, config: Option<&Config>) -> std::io::Result<Status> {
             }
         };
         // An EWMA older than its route's TTL is shown as none, as `_health_status` does.
-        let ewma = |cells: (usize, usize), ttl_s: u64| match crate::measure::peer_ewma(
-            &seg,
-            slot,
-            cells,
-            now / 1000,
-            ttl_s,
-        ) {
-            Some(v) if v.is_finite() => format!("{v:.1}"),
-            _ => "-".into(),
+        let ewma = |cells: (usize, usize), ttl_s: u64| {
+            shown_ewma(crate::measure::peer_ewma(
+                &seg,
+                slot,
+                cells,
+                now / 1000,
+                ttl_s,
+            ))
         };
         let bans = seg
             .peer_cell(slot, peer::BANS)
@@ -182,10 +181,6 @@ fn pools(out: &mut String, seg: &Segment, config: &Config, now_ms: u64) {
         "TOKENS_S"
     );
     let now_s = now_ms / 1000;
-    let shown = |v: Option<f64>| match v {
-        Some(v) if v.is_finite() => format!("{v:.1}"),
-        _ => "-".into(),
-    };
     for r in &config.routes {
         for pool in &r.pools {
             let Some(rt) = crate::snapshot::PoolRt::find(seg, &r.name, pool) else {
@@ -196,8 +191,7 @@ fn pools(out: &mut String, seg: &Segment, config: &Config, now_ms: u64) {
                 None => r.name.clone(),
             };
             let loads = rt.loads(seg, now_ms);
-            let capacity =
-                crate::pipeline::admission::figures(&loads, 1.0).map_or(0.0, |f| f.limit);
+            let capacity = crate::pipeline::admission::healthy_capacity(&loads);
             let limit = latency::concurrency_limit(&r.opts, &rt, seg, now_s, capacity);
             let adaptive = latency::adaptive_in_force(&r.opts, &rt, seg);
             let _ = writeln!(
@@ -208,15 +202,23 @@ fn pools(out: &mut String, seg: &Segment, config: &Config, now_ms: u64) {
                 capacity,
                 limit,
                 if adaptive { "yes" } else { "no" },
-                shown(latency::current_ewma(
+                shown_ewma(latency::current_ewma(
                     &r.opts,
                     Signal::Ttft,
                     &rt,
                     seg,
                     now_s
                 )),
-                shown(latency::current_ewma(&r.opts, Signal::Tps, &rt, seg, now_s)),
+                shown_ewma(latency::current_ewma(&r.opts, Signal::Tps, &rt, seg, now_s)),
             );
         }
+    }
+}
+
+/// An EWMA as the tables show it: one decimal, `-` when there is none (or expired).
+fn shown_ewma(v: Option<f64>) -> String {
+    match v {
+        Some(v) if v.is_finite() => format!("{v:.1}"),
+        _ => "-".into(),
     }
 }

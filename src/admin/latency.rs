@@ -64,8 +64,7 @@ fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
             // adaptive concurrency is not in force (`latency::adaptive_in_force`).
             let in_force = latency::adaptive_in_force(opts, p, seg);
             let loads = p.loads(seg, warmroute_shm::now_ms());
-            let capacity =
-                crate::pipeline::admission::figures(&loads, 1.0).map_or(0.0, |f| f.limit);
+            let capacity = crate::pipeline::admission::healthy_capacity(&loads);
             v["adaptive_cc_in_force"] = json!(in_force);
             v["adaptive_cc"] = json!(cur);
             v["adaptive_cc_limit"] =

@@ -184,7 +184,7 @@ fn pool_effective_limit(x: &mut Exposition, s: &Sources) {
     let mut f = x.family("warmroute_pool_effective_limit", Kind::Gauge, "The concurrency limit the gate applies: the adaptive limit (within the healthy capacity) when adaptive concurrency is on, else the healthy capacity.");
     let now_s = s.now_ms / 1000;
     for p in &s.pools {
-        let cap = admission::figures(&p.loads, 1.0).map_or(0.0, |fig| fig.limit);
+        let cap = admission::healthy_capacity(&p.loads);
         f.sample(
             &p.labels,
             crate::control::latency::concurrency_limit(&p.route.cfg.opts, p.rt, s.seg, now_s, cap),
@@ -707,8 +707,7 @@ fn pool_limit(x: &mut Exposition, s: &Sources) {
         "Concurrency limit of the pool: sum of max_concurrency over the healthy peers of the active priority tier (0 when none is healthy).",
     );
     for p in &s.pools {
-        let limit = admission::figures(&p.loads, 1.0).map_or(0.0, |fig| fig.limit);
-        f.sample(&p.labels, limit);
+        f.sample(&p.labels, admission::healthy_capacity(&p.loads));
     }
 }
 

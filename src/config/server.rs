@@ -356,7 +356,7 @@ fn with_env_port(host: &str, port: Option<&str>) -> String {
     let names_port = if host.starts_with('[') {
         host.contains("]:")
     } else {
-        host.contains(':') && host.matches(':').count() == 1
+        host.matches(':').count() == 1
     };
     if names_port {
         return host.to_string();

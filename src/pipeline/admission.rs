@@ -32,6 +32,12 @@ pub fn figures(loads: &[Load], rt_limit_factor: f64) -> Option<ConcurrencyFigure
     })
 }
 
+/// The pool's healthy capacity: the sum of `max_concurrency` over the healthy peers of its
+/// active priority tier, 0 when none is healthy (the limit of [`figures`], unscaled).
+pub fn healthy_capacity(loads: &[Load]) -> f64 {
+    figures(loads, 1.0).map_or(0.0, |f| f.limit)
+}
+
 pub fn concurrency_gate(f: &ConcurrencyFigures) -> Admission {
     if f.inflight as f64 >= f.limit * f.rt_factor {
         Admission::Shed(*f)

@@ -892,22 +892,20 @@ async fn proxy(
             } else {
                 None
             };
+            // A 502/503 is the peer's failure, whether a retry follows it or it is relayed
+            // as the last answer (no peer left to try).
+            if retry_5xx {
+                seg.peer_cell(peer.slot, cells::peer::FAILURES)
+                    .fetch_add(1, Relaxed);
+            }
             match res {
                 Ok(ex) if retry_5xx && next.is_some() => {
                     peer_failed = true;
-                    seg.peer_cell(peer.slot, cells::peer::FAILURES)
-                        .fetch_add(1, Relaxed);
                     tracing::warn!(route = route.name(), peer = %peer.name, status = ex.head.status, "peer answered 5xx; trying another peer");
                     buf = ex.buf;
                     req_buf = ex.req;
                 }
                 Ok(ex) => {
-                    // A 502/503 relayed as the last answer (no peer left to try) is the
-                    // peer's failure too, as when a retry follows it.
-                    if retry_5xx {
-                        seg.peer_cell(peer.slot, cells::peer::FAILURES)
-                            .fetch_add(1, Relaxed);
-                    }
                     // A session a retry moved lives on the peer that served it now: its
                     // next turn goes there, to the prefix this turn left in that cache.
                     // Only after a failure of a peer's own (not this host's, out of
