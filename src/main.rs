@@ -35,8 +35,9 @@ USAGE:
     warmroute check [--config PATH]  validate the server file, route files and key file
     warmroute demo [--listen ADDR] [--admin-listen ADDR]
                                      three in-process mock engines + the router, no files needed
-    warmroute status [--config PATH | --shm PATH]
+    warmroute status [--config PATH] [--listen ADDR] [--shm PATH]
                                      print peers, in-flight and bans from a running router's segment
+                                     (the segment the same options would give `serve`)
     warmroute bodylog-listen --listen ADDR --dir DIR
 
 OPTIONS (serve):
@@ -157,7 +158,7 @@ fn main() -> ExitCode {
         "serve" => serve(ConfigSource::Files(args.config), args.overrides),
         "check" => check(args.config),
         "demo" => demo(args.overrides),
-        "status" => status(args.config, args.overrides.shm_path),
+        "status" => status(args.config, &args.overrides),
         other => {
             eprintln!("warmroute: unknown command {other:?}\n\n{USAGE}");
             ExitCode::from(2)
@@ -270,14 +271,17 @@ fn check(config: Option<PathBuf>) -> ExitCode {
 /// status` says "not running").
 const STATUS_NOT_RUNNING: u8 = 3;
 
-fn status(config: Option<PathBuf>, shm: Option<PathBuf>) -> ExitCode {
+fn status(config: Option<PathBuf>, overrides: &Overrides) -> ExitCode {
+    let shm = overrides.shm_path.clone();
     // The configuration names the peers and their limits; with `--shm` alone and no
     // readable configuration the table has the segment's figures only.
     let loaded = match (&shm, &config) {
         // A segment named alone: the files in this directory may be another router's.
         (Some(_), None) => None,
         _ => match warmroute::config::load(config.as_deref()) {
-            Ok(c) => Some(c),
+            // The segment `serve` would use with the same options: `--listen` moves a
+            // default segment path with the port.
+            Ok(c) => Some(warmroute::server::apply_overrides(c, overrides)),
             Err(_) if shm.is_some() => None,
             Err(errs) => {
                 for e in errs {

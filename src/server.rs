@@ -66,7 +66,9 @@ pub struct Router {
     keys: Arc<KeyFile>,
 }
 
-fn apply_overrides(mut c: Config, o: &Overrides) -> Config {
+/// The command line's `--workers`, `--listen`, `--admin-listen` and `--shm` over the files'
+/// values; a default segment path follows the port `--listen` gives.
+pub fn apply_overrides(mut c: Config, o: &Overrides) -> Config {
     if let Some(w) = o.workers {
         c.server.workers = w;
     }

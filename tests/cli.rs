@@ -1891,7 +1891,6 @@ fn poll(limit: Duration, what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
-/// `warmroute status --shm <segment>`.
 /// SPEC §1: `status` prints the limits and EWMAs the gates use, which are the pool's, not
 /// only each peer's: its in-flight count, healthy capacity, the limit the concurrency gate
 /// applies (the adaptive one where adaptive concurrency is on) and its TTFT and
@@ -1966,6 +1965,53 @@ fn status_shows_each_pools_limit_and_ewmas() {
     drop(held);
 }
 
+/// A server file without `shm_path` puts the segment at `/dev/shm/warmroute-<port>`, and
+/// `serve --listen` moves it with the port. `status` takes the same `--listen` and reads the
+/// segment `serve` would use; before, it ignored `--listen` and read the file's port's
+/// segment (another router's, or none).
+#[test]
+fn status_follows_listen_to_the_default_segment() {
+    let d = temp_dir("status-listen");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let (file_port, public, admin) = (free_port(), free_port(), free_port());
+    let cfg = d.0.join("warmroute.toml");
+    std::fs::write(
+        &cfg,
+        format!("listen = \"127.0.0.1:{file_port}\"\nadmin_listen = \"127.0.0.1:{admin}\"\nroutes_dir = \"routes\"\n"),
+    )
+    .unwrap();
+    let listen = format!("127.0.0.1:{public}");
+    let mut p = Proc {
+        child: spawn_serve(&cfg, &["--listen", &listen]),
+        public: listen.parse().unwrap(),
+        admin: format!("127.0.0.1:{admin}").parse().unwrap(),
+        shm: PathBuf::from(format!("/dev/shm/warmroute-{public}")),
+    };
+    assert!(wait_ready_or_exit(&mut p, &d.0), "the router did not start");
+    assert!(p.shm.exists(), "no segment at {}", p.shm.display());
+    let status = |extra: &[&str]| {
+        Command::new(BIN)
+            .args(["status", "--config"])
+            .arg(&cfg)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = status(&["--listen", &listen]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let key = format!("a//{}", m.addr());
+    assert!(status_row(&text, &key).is_some(), "no row {key}:\n{text}");
+    // The control: without --listen, the file's port's segment, which no router owns.
+    let out = status(&[]);
+    assert!(
+        !out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
 /// A router that has just exited can hold its port a moment longer (the kernel closes an
 /// io_uring's listeners after the process is gone): a start right after looks again for a
 /// second instead of refusing at once ("already served by another process").
@@ -2001,6 +2047,7 @@ fn a_start_waits_a_moment_for_a_port_being_let_go() {
     assert_eq!(r.status, 200);
 }
 
+/// `warmroute status --shm <segment>`.
 fn status_text(shm: &Path) -> String {
     status_with("--shm", shm)
 }
