@@ -410,6 +410,50 @@ fn a_404_keeps_the_connection_when_the_body_came_with_the_head() {
     );
 }
 
+/// A route checks the key before it reads the body, so its 401 is answered from the head
+/// too. When the body came whole with the head it is dropped and the connection serves the
+/// next request; before, such a 401 closed the connection and lost the request behind it.
+#[test]
+fn a_401_keeps_the_connection_when_the_body_came_with_the_head() {
+    let m = mock("m0");
+    let env = start(
+        &[(
+            "k",
+            route_for(&[m.addr()], "api_keys = { \"sk\" = \"o\" }\n"),
+        )],
+        "",
+    );
+    let mut s = connect(env.public());
+    let mut both = post_json("/k/v1/chat/completions", &chat_body("x", false), "");
+    both.extend_from_slice(&post_json(
+        "/k/v1/chat/completions",
+        &chat_body("y", false),
+        "authorization: Bearer sk\r\n",
+    ));
+    s.write_all(&both).unwrap();
+    let mut r = BufReader::new(s);
+    let first = read_response(&mut r, false).unwrap();
+    assert_eq!(first.status, 401);
+    assert_ne!(first.header("connection"), Some("close"));
+    let second = read_response(&mut r, false).unwrap();
+    assert_eq!(second.status, 200, "{}", second.text());
+    assert_eq!(second.header("x-mock-peer"), Some("m0"));
+    // The control: a body still arriving is left unread, and the connection closes.
+    let mut s = connect(env.public());
+    s.write_all(
+        b"POST /k/v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{\"model\"",
+    )
+    .unwrap();
+    let mut r = BufReader::new(s);
+    let first = read_response(&mut r, false).unwrap();
+    assert_eq!(first.status, 401);
+    assert_eq!(first.header("connection"), Some("close"));
+    assert!(
+        read_response(&mut r, false).is_err(),
+        "closed after the 401"
+    );
+}
+
 /// A POST to the route with `n` headers in all (`Host`, `Content-Type`, `Content-Length` and
 /// `n - 3` more, the last padded) and a head of `head_len` bytes.
 fn request_with_headers(n: usize, head_len: usize) -> Vec<u8> {

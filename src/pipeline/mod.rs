@@ -497,6 +497,9 @@ async fn proxy(
     let seg = &*ctx.shared.seg;
 
     // 1. Route, key (401) and body (413).
+    // A route's path checks the key before the body is read; a bare request reads the body
+    // first, for its model.
+    let key_before_body = matches!(entry, Entry::Route(..));
     let mut p = match prepare(ctx, conn, head, snap, entry).await {
         Ok(p) => p,
         Err((e, route, owner)) => {
@@ -508,13 +511,16 @@ async fn proxy(
                 seg.route_cell(slot, cells::owner::REQUESTS)
                     .fetch_add(1, Relaxed);
             }
-            // A refusal before the body was read leaves it on the wire: close then.
-            // (No route lists models: a bare request is refused from its head.) A bare
-            // request's 401 comes after its body was read; closing then costs only a
-            // reconnect, where dropping a body already read would eat the next request.
-            let body_unread = matches!(&e, ProxyError::Unauthorized)
-                || matches!(&e, ProxyError::ModelNotSupported { supported, .. } if supported.is_empty());
-            let body_unread = body_unread && head.body != crate::http::BodyFraming::None;
+            // A refusal made from the head (a route's 401; a bare request when no route
+            // lists models) drops a body that came whole with the head and keeps the
+            // connection; a body still arriving stays on the wire, and the connection
+            // closes. A bare request's 401 comes after its body was read: nothing to drop.
+            let from_head = match &e {
+                ProxyError::Unauthorized => key_before_body,
+                ProxyError::ModelNotSupported { supported, .. } => supported.is_empty(),
+                _ => false,
+            };
+            let body_unread = from_head && !conn.drop_buffered_body(head);
             let log = Refused::early(route.map(|r| &**r), owner.as_deref(), 0);
             let keep = keep_client() && !body_unread;
             return refuse_logged(ctx, conn, head, &e, keep, log, started).await;
