@@ -19,9 +19,11 @@ pub const CHUNK_TRAILER_BYTES_MAX: usize = 16 * 1024;
 pub const CLIENT_READ_BUF_BYTES: usize = 8 * 1024;
 /// Read size for relaying a response body: one client write per read of at most this.
 pub const RELAY_READ_BUF_BYTES: usize = 16 * 1024;
-/// A request body's first buffer, at most: a longer body's buffer grows (doubling) as its
-/// bytes arrive, so a head that declares a large `Content-Length` and sends nothing more
-/// holds this much, not `max_body_size`.
+/// The bytes a request body's first buffer is asked for, at most: a longer body's buffer
+/// grows (doubling) as its bytes arrive, so a head that declares a large `Content-Length` and
+/// sends nothing more holds about this much, not `max_body_size`. (The buffer itself can be
+/// larger: `SpareBodies::take` adds the usage member's room and rounds a pooled size up to a
+/// power of two, 128 KiB here, or lends a kept spare of up to 1 MiB.)
 pub const BODY_BUF_FIRST_BYTES: usize = 64 * 1024;
 /// Bytes of a session id used for hashing (SPEC §14).
 pub const SESSION_ID_HASH_BYTES_MAX: usize = 4096;

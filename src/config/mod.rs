@@ -180,7 +180,7 @@ fn load_with(server_file: Option<&Path>, cwd: &Path, env: Env) -> Result<Config,
                 dir_diag.warn(
                     "routes_dir",
                     format!(
-                        "{} is not a readable regular file (a directory, or a symlink to nothing): skipped",
+                        "{} is not a regular file (a directory, or a symlink to nothing): skipped",
                         path.display()
                     ),
                 );

@@ -275,11 +275,6 @@ impl ClientConn {
         }
     }
 
-    /// Read the request body into memory, refusing bodies over `max_bytes` (413) before
-    /// reading them when the length is announced. Answers `Expect: 100-continue`.
-    ///
-    /// A body still arriving at the drain deadline ends the wait there with
-    /// [`ProxyError::ShuttingDown`] (an empty `peer`), answered and logged like any refusal.
     /// For a request refused from its head: whether its body is off the wire, so the
     /// connection can serve the next request. It is when there is none, or when a
     /// `Content-Length` body came whole with the head (it is dropped here). A body still
@@ -295,6 +290,11 @@ impl ClientConn {
         }
     }
 
+    /// Read the request body into memory, refusing bodies over `max_bytes` (413) before
+    /// reading them when the length is announced. Answers `Expect: 100-continue`.
+    ///
+    /// A body still arriving at the drain deadline ends the wait there with
+    /// [`ProxyError::ShuttingDown`] (an empty `peer`), answered and logged like any refusal.
     pub async fn read_body(
         &mut self,
         head: &RequestHead,
@@ -339,11 +339,15 @@ impl ClientConn {
                 while body.len() < n {
                     let len = body.len();
                     if body.capacity() == len {
-                        // Full: double it, up to the declared length (and the room the
-                        // usage injection may use, as `take` leaves).
-                        let to = (2 * len)
-                            .max(BODY_BUF_FIRST_BYTES)
-                            .min(n + crate::transform::USAGE_MEMBER.len());
+                        // Full: double it; once that would hold the declared length, make
+                        // it the length and the room the usage injection may use (as `take`
+                        // leaves), so the injection never has to move the body.
+                        let to = (2 * len).max(BODY_BUF_FIRST_BYTES);
+                        let to = if to >= n {
+                            n + crate::transform::USAGE_MEMBER.len()
+                        } else {
+                            to
+                        };
                         body.reserve_exact(to - len);
                     }
                     let end = body.capacity().min(n);

@@ -186,8 +186,10 @@ impl Workers {
     }
 
     /// Bring a drain's end forward to `timeout` from now, unless it comes sooner (a SIGINT
-    /// during a SIGTERM's drain). Every worker stops by then, plus its cut grace; what is
-    /// still in flight then closes without its access line.
+    /// during a SIGTERM's drain). Every worker stops by then, plus its cut grace. Requests
+    /// still in flight end as at any drain deadline: a relay reads the new deadline at its
+    /// next read and ends there with its access line; a wait that began before the cut and
+    /// hears nothing more is dropped with the worker, without one.
     pub fn cut_drain(&self, timeout: Duration) {
         let deadline = warmroute_shm::now_ms() + timeout.as_millis() as u64;
         self.shared
