@@ -647,6 +647,11 @@ fn a_body_still_uploading_at_the_drain_deadline_gets_a_503_and_its_line() {
     let answer = read_response(&mut BufReader::new(c), false).unwrap();
     assert_eq!(answer.status, 503, "{}", answer.text());
     assert_eq!(answer.json()["error"]["type"], "shutting_down");
+    let message = answer.json()["error"]["message"].to_string();
+    assert!(
+        message.contains("request body had not arrived"),
+        "{message}"
+    );
     // At the drain deadline (SIGINT: 5 s), not before.
     assert!(t0.elapsed() >= Duration::from_secs(4), "{:?}", t0.elapsed());
     let status = p.wait_exit(Duration::from_secs(10)).expect("exits");
@@ -720,6 +725,11 @@ fn streams_cut_at_the_drain_deadline_get_their_access_lines() {
         "shutting_down",
         "{}",
         answer.text()
+    );
+    let message = answer.json()["error"]["message"].to_string();
+    assert!(
+        message.contains("had not responded by its drain deadline"),
+        "{message}"
     );
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
         .unwrap_or_default()

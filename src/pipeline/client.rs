@@ -294,7 +294,7 @@ impl ClientConn {
     /// reading them when the length is announced. Answers `Expect: 100-continue`.
     ///
     /// A body still arriving at the drain deadline ends the wait there with
-    /// [`ProxyError::ShuttingDown`] (an empty `peer`), answered and logged like any refusal.
+    /// [`ProxyError::ShuttingDown`] with no `peer`, answered and logged like any refusal.
     pub async fn read_body(
         &mut self,
         head: &RequestHead,
@@ -306,9 +306,7 @@ impl ClientConn {
         // Why a wait ended without bytes: its own timeout, or the drain's deadline first.
         let timed_out = |deadline: Instant| {
             if Instant::now() < deadline {
-                ProxyError::ShuttingDown {
-                    peer: String::new(),
-                }
+                ProxyError::ShuttingDown { peer: None }
             } else {
                 ProxyError::BodyTimeout
             }

@@ -36,9 +36,10 @@ pub enum ProxyError {
     UpstreamClosed {
         peer: String,
     },
-    /// The router's drain deadline came while the peer had not answered yet.
+    /// The router's drain deadline came while `peer` had not answered yet, or (`None`)
+    /// while the request's body was still arriving.
     ShuttingDown {
-        peer: String,
+        peer: Option<String>,
     },
     ClientGone,
     Forbidden(&'static str),
@@ -171,10 +172,10 @@ impl ProxyError {
             ProxyError::UpstreamClosed { peer } => {
                 format!("{peer} closed the connection before responding")
             }
-            ProxyError::ShuttingDown { peer } if peer.is_empty() => {
+            ProxyError::ShuttingDown { peer: None } => {
                 "the router is shutting down and the request body had not arrived by its drain deadline".into()
             }
-            ProxyError::ShuttingDown { peer } => {
+            ProxyError::ShuttingDown { peer: Some(peer) } => {
                 format!("the router is shutting down and {peer} had not responded by its drain deadline")
             }
             ProxyError::ClientGone => "client closed the connection".into(),

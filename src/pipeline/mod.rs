@@ -981,7 +981,7 @@ async fn proxy(
                 }
                 Err(ExchangeError::Shutdown) => {
                     outcome = fail(ProxyError::ShuttingDown {
-                        peer: peer.name.clone(),
+                        peer: Some(peer.name.clone()),
                     });
                     break;
                 }
