@@ -109,6 +109,46 @@ fn switch_value(q: Option<&str>) -> Option<u64> {
     }
 }
 
+/// The endpoints this module answers, parsed from the name after the route's `_`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Status(Signal),
+    Toggle(Signal),
+    Limit(Signal),
+    RateLimitToggle,
+    RateLimitStatus,
+    SessionPrioToggle,
+    SessionStatus,
+    ClusterAvg,
+}
+
+impl Endpoint {
+    fn parse(name: &str) -> Option<Self> {
+        Some(match name {
+            "ttft_status" => Self::Status(Signal::Ttft),
+            "tps_status" => Self::Status(Signal::Tps),
+            "ttft_toggle" => Self::Toggle(Signal::Ttft),
+            "tps_toggle" => Self::Toggle(Signal::Tps),
+            "ttft_limit" => Self::Limit(Signal::Ttft),
+            "tps_limit" => Self::Limit(Signal::Tps),
+            "rate_limit_toggle" => Self::RateLimitToggle,
+            "rate_limit_status" => Self::RateLimitStatus,
+            "session_prio_toggle" => Self::SessionPrioToggle,
+            "session_status" => Self::SessionStatus,
+            "cluster_avg" => Self::ClusterAvg,
+            _ => return None,
+        })
+    }
+
+    /// The ones that change state answer loopback only.
+    fn loopback_only(self) -> bool {
+        matches!(
+            self,
+            Self::Toggle(_) | Self::Limit(_) | Self::RateLimitToggle | Self::SessionPrioToggle
+        )
+    }
+}
+
 /// Handle a measurement/control endpoint; None when `name` is not one of them.
 pub fn handle(
     ctx: &WorkerCtx,
@@ -119,35 +159,11 @@ pub fn handle(
 ) -> Option<Response> {
     // Another endpoint's name is not this module's to answer (not even with a 400 for
     // its `model`): an unknown one gets its 404.
-    const NAMES: [&str; 11] = [
-        "ttft_status",
-        "tps_status",
-        "ttft_toggle",
-        "tps_toggle",
-        "ttft_limit",
-        "tps_limit",
-        "rate_limit_toggle",
-        "rate_limit_status",
-        "session_prio_toggle",
-        "session_status",
-        "cluster_avg",
-    ];
-    if !NAMES.contains(&name) {
-        return None;
-    }
+    let endpoint = Endpoint::parse(name)?;
     let seg = &ctx.shared.seg;
     let now_s = ps::now_s();
     let model = query_param(q, "model");
-    let needs_loopback = matches!(
-        name,
-        "ttft_toggle"
-            | "tps_toggle"
-            | "ttft_limit"
-            | "tps_limit"
-            | "rate_limit_toggle"
-            | "session_prio_toggle"
-    );
-    if needs_loopback && !loopback {
+    if endpoint.loopback_only() && !loopback {
         return Some(Response::error(
             &ProxyError::Forbidden("toggles answer loopback (127.0.0.1, ::1) only"),
             Some(r.name()),
@@ -166,15 +182,9 @@ pub fn handle(
     // What is set for the whole route (no `model=`) is also kept in the route's record,
     // for the pools a reload adds later.
     let route_wide = model.is_none();
-    let sig = if name.starts_with("ttft") {
-        Signal::Ttft
-    } else {
-        Signal::Tps
-    };
-    match name {
-        "ttft_status" => Some(Response::json(200, &signal_status(ctx, r, Signal::Ttft))),
-        "tps_status" => Some(Response::json(200, &signal_status(ctx, r, Signal::Tps))),
-        "ttft_toggle" | "tps_toggle" => {
+    match endpoint {
+        Endpoint::Status(sig) => Some(Response::json(200, &signal_status(ctx, r, sig))),
+        Endpoint::Toggle(sig) => {
             // The same values as every other toggle: 1/0, true/false, on/off, yes/no.
             let on = match query_param(q, "on")
                 .as_deref()
@@ -194,7 +204,7 @@ pub fn handle(
                 &json!({"route": r.name(), "ok": true, "signal": sig.name(), "active": on}),
             ))
         }
-        "ttft_limit" | "tps_limit" => {
+        Endpoint::Limit(sig) => {
             let key = if sig == Signal::Ttft { "ms" } else { "tps" };
             let ttl = match query_param(q, "ttl").map(|t| t.parse::<u64>()) {
                 None => ewma::DEFAULT_OVERRIDE_TTL_S,
@@ -229,7 +239,7 @@ pub fn handle(
                 &json!({"route": r.name(), "ok": true, "signal": sig.name(), "pools": per}),
             ))
         }
-        "rate_limit_toggle" => {
+        Endpoint::RateLimitToggle => {
             let Some(v) = switch_value(q) else {
                 return bad("use ?on=0 | ?on=1 | ?reset=1");
             };
@@ -241,8 +251,8 @@ pub fn handle(
             }
             Some(Response::json(200, &rate_limit_status(ctx, r)))
         }
-        "rate_limit_status" => Some(Response::json(200, &rate_limit_status(ctx, r))),
-        "session_prio_toggle" => {
+        Endpoint::RateLimitStatus => Some(Response::json(200, &rate_limit_status(ctx, r))),
+        Endpoint::SessionPrioToggle => {
             let slot = r.prio_slot;
             let Some(v) = switch_value(q) else {
                 return bad("use ?on=0 | ?on=1 | ?reset=1");
@@ -251,8 +261,8 @@ pub fn handle(
                 .store(v, Relaxed);
             Some(Response::json(200, &session_status(ctx, r)))
         }
-        "session_status" => Some(Response::json(200, &session_status(ctx, r))),
-        "cluster_avg" => {
+        Endpoint::SessionStatus => Some(Response::json(200, &session_status(ctx, r))),
+        Endpoint::ClusterAvg => {
             let per: Map<String, Value> = r
                 .pools
                 .iter()
@@ -270,7 +280,6 @@ pub fn handle(
                 &json!({"route": r.name(), "interval_s": latency::CLUSTER_AVG_INTERVAL_S, "pools": per}),
             ))
         }
-        _ => None,
     }
 }
 
