@@ -36,14 +36,36 @@ fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
         let slot = sig.slot(p);
         let thr = latency::threshold(opts, sig, p, seg, now_s);
         let e = latency::current_ewma(opts, sig, p, seg, now_s);
+        let judged = latency::judge(opts, sig, p, seg, now_s);
+        let hit = judged
+            .binding
+            .is_some_and(|b| ewma::hit(sig.dir(), Some(b.ewma), Some(b.threshold), false));
+        // Every metric of the resolved list: the first with the threshold in force, the
+        // later entries of a declared list with their own.
+        let mut metrics = vec![json!({
+            "metric": cfg.metric,
+            "ewma": e,
+            "threshold": thr.map(|t| t.0),
+        })];
+        for (i, m) in sig.metrics(opts).iter().enumerate().skip(1) {
+            let ttl = cfg.ewma.ttl_s;
+            let tag = latency::metric_tag(m);
+            metrics.push(json!({
+                "metric": m.metric,
+                "ewma": ps::metric_ewma(seg, slot, i, tag, now_s, ttl),
+                "threshold": m.threshold,
+            }));
+        }
         let mut v = json!({
             "metric": cfg.metric,
             "ewma": e,
             "threshold": thr.map(|t| t.0),
             "threshold_source": thr.map(|t| t.1),
-            "active": thr.is_some() && !ps::gate_off(seg, slot),
-            "enforcing": thr.is_some() && !ps::gate_off(seg, slot) && (sig == Signal::Ttft || !opts.adaptive_cc),
-            "hit": ewma::hit(if sig == Signal::Ttft { ewma::Dir::High } else { ewma::Dir::Low }, e, thr.map(|t| t.0), false),
+            "active": judged.has_threshold && !ps::gate_off(seg, slot),
+            "enforcing": judged.has_threshold && !ps::gate_off(seg, slot) && (sig == Signal::Ttft || !opts.adaptive_cc),
+            "hit": hit,
+            "hit_metric": judged.binding.filter(|_| hit).map(|b| latency::metric_name(opts, sig, b.metric)),
+            "metrics": metrics,
             "runtime_off": ps::gate_off(seg, slot),
             "probe_used_cur_window": ps::probes_used(seg, slot, now_s, cfg.probe_window_s),
             "trips_while_rate_limit_off": seg.route_cell(slot, win::TRIPS_WHILE_OFF).load(Relaxed),

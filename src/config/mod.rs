@@ -31,7 +31,7 @@ use std::sync::Arc;
 pub use route::{
     is_ip_literal, resolve_all as resolve_peer_all, valid_route_name, AffinityHash, MetricSpec,
     PeerConfig, Pool, PrioBucket, RouteConfig, RouteOpts, DEFAULT_PEER_MAX_CONCURRENCY,
-    MAX_PEERS_PER_ROUTE,
+    MAX_METRICS, MAX_PEERS_PER_ROUTE,
 };
 pub use server::{
     default_shm_path, listen_conflict, BusyPoll, ServerConfig, ServerDefaults,

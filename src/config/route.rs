@@ -105,7 +105,13 @@ impl AffinityHash {
     }
 }
 
-/// One entry of `ttft_metrics` / `tps_metrics`.
+/// How many entries `ttft_metrics` / `tps_metrics` may list: each entry after the first
+/// keeps its EWMA in three cells of the pool's window slot (`pool_state::win::EXTRA`).
+pub const MAX_METRICS: usize = 8;
+
+/// One entry of `ttft_metrics` / `tps_metrics`. Every entry is measured (its statistic of
+/// each window folded into its own EWMA); the gate sheds when any entry with a threshold
+/// is over it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MetricSpec {
     /// Name, e.g. "p80" or "avg".
@@ -716,31 +722,13 @@ impl RouteOpts {
                 "adaptive_cc_init is also set and takes precedence",
             );
         }
-        for (field, list) in [
-            ("ttft_metrics", &self.ttft_metrics),
-            ("tps_metrics", &self.tps_metrics),
-        ] {
-            if list.len() > 1 {
-                d.warn(
-                    field,
-                    format!(
-                        "only the first entry ({}) is measured and judged; the {} after it are ignored",
-                        list[0].metric,
-                        list.len() - 1
-                    ),
-                );
-            }
-        }
-        let route_tps = self.tps_limit_tps.is_some()
-            || self
-                .tps_metrics
-                .first()
-                .is_some_and(|m| m.threshold.is_some());
+        let route_tps =
+            self.tps_limit_tps.is_some() || self.tps_metrics.iter().any(|m| m.threshold.is_some());
         if self.adaptive_cc && !route_tps {
             d.warn(
                 "adaptive_cc",
                 if self.tps_limit_by_model.is_empty() {
-                    "without a decode rate threshold (tps_limit_tps, or a threshold in the first tps_metrics entry) adaptive concurrency has nothing to steer by and is off: the static limit applies"
+                    "without a decode rate threshold (tps_limit_tps, or a threshold in a tps_metrics entry) adaptive concurrency has nothing to steer by and is off: the static limit applies"
                 } else {
                     "only the sub-pools tps_limit_by_model names have a decode rate threshold: the others have no adaptive concurrency and keep the static limit"
                 },
@@ -846,6 +834,16 @@ fn read_metrics(v: &Val, field: &str, d: &mut Diag) -> Option<Vec<MetricSpec>> {
         d.error(
             field,
             "must list at least one metric (leave it out to use the single threshold)",
+        );
+        return None;
+    }
+    if items.len() > MAX_METRICS {
+        d.error(
+            field,
+            format!(
+                "lists {} metrics; at most {MAX_METRICS} are measured",
+                items.len()
+            ),
         );
         return None;
     }

@@ -259,9 +259,10 @@ op = "gt"
 value = 100000
 "#;
     let c = strs(Some(server), &[("full", route)]).unwrap();
-    // Its one warning: the second ttft_metrics entry is read but not judged.
+    // No warning: both ttft_metrics entries are measured (the second, without a
+    // threshold, is not judged).
     assert!(
-        c.soft_errors.is_empty() && c.warnings.len() == 1 && c.warnings[0].field == "ttft_metrics",
+        c.soft_errors.is_empty() && c.warnings.is_empty(),
         "{:?} {:?}",
         c.soft_errors,
         c.warnings
@@ -1063,28 +1064,39 @@ fn reject_rules_sharing_a_name_are_warned_about() {
     }
 }
 
-/// Only the first entry of `ttft_metrics` / `tps_metrics` is measured and judged: a longer
-/// list is loaded with a warning that says so (the later entries were ignored silently).
-/// The control: a one-entry list loads without one.
+/// A metric list is loaded whole (every entry is measured and judged) without a warning,
+/// up to `MAX_METRICS` entries; a longer one is refused with the field named. The control:
+/// the same list one entry shorter loads.
 #[test]
-fn metric_lists_longer_than_one_entry_are_warned_about() {
-    let route = |list: &str| {
-        format!("peers = [ {{ host = \"127.0.0.1\", port = 8001 }} ]\nttft_metrics = [ {list} ]\n")
+fn metric_lists_load_whole_up_to_their_limit() {
+    let route = |n: usize| {
+        let list: Vec<String> = (0..n)
+            .map(|i| {
+                format!(
+                    "{{ metric = \"p{}\", q = 0.{}, threshold = {} }}",
+                    10 + i,
+                    10 + i,
+                    100 + i
+                )
+            })
+            .collect();
+        format!(
+            "peers = [ {{ host = \"127.0.0.1\", port = 8001 }} ]\nttft_metrics = [ {} ]\n",
+            list.join(", ")
+        )
     };
-    let one = route(r#"{ metric = "p50", q = 0.5, threshold = 100000 }"#);
-    let c = strs(None, &[("r", one.as_str())]).unwrap();
+    let ok = route(crate::config::MAX_METRICS);
+    let c = strs(None, &[("r", ok.as_str())]).unwrap();
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);
-    let two = route(
-        r#"{ metric = "p50", q = 0.5, threshold = 100000 }, { metric = "p95", q = 0.95, threshold = 300 }"#,
+    assert_eq!(
+        c.routes[0].opts.ttft_metrics.len(),
+        crate::config::MAX_METRICS
     );
-    let c = strs(None, &[("r", two.as_str())]).unwrap();
-    assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
-    let w = &c.warnings[0];
-    assert_eq!(w.field, "ttft_metrics");
-    assert!(
-        w.message.contains("only the first entry (p50)") && w.message.contains("the 1 after"),
-        "{w}"
-    );
+    let long = route(crate::config::MAX_METRICS + 1);
+    let e = strs(None, &[("r", long.as_str())]).unwrap_err();
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert_eq!(e[0].field, "ttft_metrics");
+    assert!(e[0].message.contains("at most 8"), "{}", e[0]);
 }
 
 /// A `*.toml` name in the routes directory that is not a file to read (a directory, a

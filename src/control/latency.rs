@@ -9,7 +9,7 @@ use super::aimd::{self, AimdInput, AimdParams};
 use super::ewma::{self, Dir, EwmaCfg, Stat};
 use super::pool_state::{self as ps, ctl, win};
 use crate::cells::Relaxed;
-use crate::config::RouteOpts;
+use crate::config::{MetricSpec, RouteOpts};
 use crate::measure::{TPS_BOUNDS, TTFT_BOUNDS_MS};
 use crate::snapshot::PoolRt;
 
@@ -31,10 +31,23 @@ impl Signal {
             Signal::Tps => &TPS_BOUNDS,
         }
     }
-    fn dir(self) -> Dir {
+    pub fn dir(self) -> Dir {
         match self {
             Signal::Ttft => Dir::High,
             Signal::Tps => Dir::Low,
+        }
+    }
+    /// The route's declared metric list for this signal (empty: the single threshold).
+    pub fn metrics(self, opts: &RouteOpts) -> &[MetricSpec] {
+        match self {
+            Signal::Ttft => &opts.ttft_metrics,
+            Signal::Tps => &opts.tps_metrics,
+        }
+    }
+    fn default_q(self) -> f64 {
+        match self {
+            Signal::Ttft => ewma::TTFT_DEFAULT_Q,
+            Signal::Tps => ewma::TPS_DEFAULT_Q,
         }
     }
     pub fn slot(self, pool: &PoolRt) -> warmroute_shm::RouteSlot {
@@ -89,8 +102,7 @@ pub fn signal_cfg(opts: &RouteOpts, sig: Signal) -> SignalCfg {
         ),
     };
     let (stat, metric) = match metrics.first() {
-        Some(m) if m.metric == "avg" => (Stat::Avg, "avg".to_string()),
-        Some(m) => (Stat::Quantile(m.q.unwrap_or(default_q)), m.metric.clone()),
+        Some(m) => (metric_stat(m, default_q), m.metric.clone()),
         None => (
             Stat::Quantile(default_q),
             format!("p{}", (default_q * 100.0).round()),
@@ -109,8 +121,122 @@ pub fn signal_cfg(opts: &RouteOpts, sig: Signal) -> SignalCfg {
     }
 }
 
+/// The statistic a declared metric takes of each window.
+fn metric_stat(m: &MetricSpec, default_q: f64) -> Stat {
+    if m.metric == "avg" {
+        Stat::Avg
+    } else {
+        Stat::Quantile(m.q.unwrap_or(default_q))
+    }
+}
+
+/// A declared metric's tag in the segment ([`ps::win::EXTRA`]): a hash of its name and
+/// statistic, never 0 (0 = no EWMA stored).
+pub fn metric_tag(m: &MetricSpec) -> u64 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(m.metric.as_bytes());
+    h.update(&m.q.map_or(u64::MAX, f64::to_bits).to_le_bytes());
+    u64::from(h.finalize()) | 1 << 32
+}
+
+/// The name of metric `i` of the signal's resolved list (the single default metric when
+/// the route declares none).
+pub fn metric_name(opts: &RouteOpts, sig: Signal, i: usize) -> String {
+    match sig.metrics(opts).get(i) {
+        Some(m) => m.metric.clone(),
+        None => signal_cfg(opts, sig).metric,
+    }
+}
+
+/// How far a metric's EWMA is into its threshold's side: ≥ 1 at or beyond it (the
+/// non-strict hit), > 1 strictly beyond it. For TTFT `ewma / threshold`, for the decode
+/// rate (low is bad) `threshold / ewma`; a zero divisor is infinitely far unless both are 0.
+fn load(dir: Dir, e: f64, t: f64) -> f64 {
+    let (num, den) = match dir {
+        Dir::High => (e, t),
+        Dir::Low => (t, e),
+    };
+    if den > 0.0 {
+        num / den
+    } else if num > 0.0 {
+        f64::INFINITY
+    } else {
+        1.0
+    }
+}
+
+/// A pool's signal judged over the whole resolved metric list (notes-control §1.5–1.6).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Judged {
+    /// The first metric's live EWMA (what status shows as `ewma`, and what the adaptive
+    /// controller needs before it moves at all).
+    pub first_ewma: Option<f64>,
+    /// Whether any metric has a threshold.
+    pub has_threshold: bool,
+    /// Of the metrics with both a live EWMA and a threshold, the one furthest into its
+    /// threshold (the first of equals): the list hits, strictly or not, exactly when this
+    /// one does, and a graded gate (turn priority) that scales thresholds grades by it.
+    pub binding: Option<Binding>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Binding {
+    pub ewma: f64,
+    pub threshold: f64,
+    /// Its index in the resolved list.
+    pub metric: usize,
+}
+
+/// Judge `sig` for `pool`: the first metric with the threshold [`threshold`] resolves for
+/// it (declared, else the runtime override, per-model or route value), each later entry of
+/// a declared list with its own declared threshold.
+pub fn judge(opts: &RouteOpts, sig: Signal, pool: &PoolRt, seg: &Segment, now_s: u64) -> Judged {
+    let slot = sig.slot(pool);
+    let metrics = sig.metrics(opts);
+    let t0 = threshold(opts, sig, pool, seg, now_s).map(|t| t.0);
+    let ttl = match sig {
+        Signal::Ttft => opts.ttft_ttl,
+        Signal::Tps => opts.tps_ttl,
+    };
+    let e0 = ps::ewma(seg, slot, now_s, ttl);
+    let mut out = Judged {
+        first_ewma: e0,
+        has_threshold: t0.is_some(),
+        binding: None,
+    };
+    let mut consider = |i: usize, e: Option<f64>, t: Option<f64>| {
+        let (Some(e), Some(t)) = (e, t) else {
+            return;
+        };
+        let further = out
+            .binding
+            .is_none_or(|b| load(sig.dir(), e, t) > load(sig.dir(), b.ewma, b.threshold));
+        if further {
+            out.binding = Some(Binding {
+                ewma: e,
+                threshold: t,
+                metric: i,
+            });
+        }
+    };
+    consider(0, e0, t0);
+    for (i, m) in metrics.iter().enumerate().skip(1) {
+        let t = m.threshold.filter(|t| t.is_finite() && *t >= 0.0);
+        out.has_threshold |= t.is_some();
+        if t.is_some() {
+            consider(
+                i,
+                ps::metric_ewma(seg, slot, i, metric_tag(m), now_s, ttl),
+                t,
+            );
+        }
+    }
+    out
+}
+
 /// The threshold in force and where it comes from: declared metrics > runtime override >
-/// per-model > route (SPEC §5.1).
+/// per-model > route (SPEC §5.1). Of a declared list, this is the first entry's; a later
+/// entry is judged by its own declared threshold ([`judge`]).
 pub fn threshold(
     opts: &RouteOpts,
     sig: Signal,
@@ -189,6 +315,8 @@ pub enum Verdict {
     Shed {
         ewma: f64,
         threshold: f64,
+        /// The metric of the resolved list that was over its threshold.
+        metric: usize,
     },
     /// Tripped while the rate-limit master switch is off: let through and counted as a
     /// trip (SPEC §5.6). No probe slot is taken — there is nothing to probe past — so the
@@ -212,32 +340,33 @@ pub fn gate(
     if ps::gate_off(seg, slot) {
         return Verdict::Pass;
     }
-    let Some((thr, _)) = threshold(opts, sig, pool, seg, now_s) else {
+    // The usual route has no threshold at all: decided before any EWMA is read.
+    if sig.metrics(opts).len() <= 1 && threshold(opts, sig, pool, seg, now_s).is_none() {
+        return Verdict::Pass;
+    }
+    let Some(b) = judge(opts, sig, pool, seg, now_s).binding else {
         return Verdict::Pass;
     };
-    let cfg = signal_cfg(opts, sig);
-    let e = ps::ewma(seg, slot, now_s, cfg.ewma.ttl_s);
-    if !ewma::hit(sig.dir(), e, Some(thr), false) {
+    let (e, thr) = (Some(b.ewma), Some(b.threshold));
+    if !ewma::hit(sig.dir(), e, thr, false) {
         return Verdict::Pass;
     }
     if !enforce {
         return Verdict::Trip;
     }
+    let cfg = signal_cfg(opts, sig);
     let used = ps::take_probe(seg, slot, now_s, cfg.probe_window_s);
-    match sig {
-        Signal::Ttft => ewma::ttft_gate(e, Some(thr), used, cfg.probe_per_window),
-        Signal::Tps => ewma::tps_gate(e, Some(thr), used, cfg.probe_per_window),
-    }
-    .into()
-}
-
-impl From<ewma::Gate> for Verdict {
-    fn from(g: ewma::Gate) -> Verdict {
-        match g {
-            ewma::Gate::Pass => Verdict::Pass,
-            ewma::Gate::Probe => Verdict::Probe,
-            ewma::Gate::Shed { ewma, threshold } => Verdict::Shed { ewma, threshold },
-        }
+    match match sig {
+        Signal::Ttft => ewma::ttft_gate(e, thr, used, cfg.probe_per_window),
+        Signal::Tps => ewma::tps_gate(e, thr, used, cfg.probe_per_window),
+    } {
+        ewma::Gate::Pass => Verdict::Pass,
+        ewma::Gate::Probe => Verdict::Probe,
+        ewma::Gate::Shed { ewma, threshold } => Verdict::Shed {
+            ewma,
+            threshold,
+            metric: b.metric,
+        },
     }
 }
 
@@ -339,14 +468,11 @@ pub fn adaptive_in_force(opts: &RouteOpts, pool: &PoolRt, seg: &Segment) -> bool
     opts.adaptive_cc && tps_configured(opts, pool) && !ps::gate_off(seg, pool.slots.tps)
 }
 
-/// Whether the configuration gives the pool a decode-rate threshold: the first
-/// `tps_metrics` entry's, its model's `tps_limit_by_model`, or `tps_limit_tps`.
+/// Whether the configuration gives the pool a decode-rate threshold: a `tps_metrics`
+/// entry's, its model's `tps_limit_by_model`, or `tps_limit_tps`.
 pub fn tps_configured(opts: &RouteOpts, pool: &PoolRt) -> bool {
     opts.tps_limit_tps.is_some()
-        || opts
-            .tps_metrics
-            .first()
-            .is_some_and(|m| m.threshold.is_some())
+        || opts.tps_metrics.iter().any(|m| m.threshold.is_some())
         || pool
             .model
             .as_deref()
@@ -365,6 +491,21 @@ pub fn tick(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) {
             continue;
         }
         let (counts, sum, n) = ps::take_bank(seg, slot, cur.saturating_sub(1));
+        // A declared list's later entries take their own statistic of the same window,
+        // folded as of the same last window (before the first entry's state moves on).
+        for (i, m) in sig.metrics(opts).iter().enumerate().skip(1) {
+            let tag = metric_tag(m);
+            let v = ewma::window_stat(
+                metric_stat(m, sig.default_q()),
+                sig.bounds(),
+                &counts,
+                sum,
+                n,
+            );
+            let prev = ps::extra_window_state(seg, slot, i, tag, st.win);
+            let next = ewma::advance_merged(prev, &cfg.ewma, now_s, v);
+            ps::store_extra_window_state(seg, slot, i, tag, next);
+        }
         let v = ewma::window_stat(cfg.stat, sig.bounds(), &counts, sum, n);
         ps::store_window_state(seg, slot, ewma::advance_merged(st, &cfg.ewma, now_s, v));
     }
@@ -374,18 +515,27 @@ pub fn tick(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) {
     {
         c(ctl::AIMD_TICK_S).store(now_s, Relaxed);
         let p = aimd_params(opts);
+        // Each signal's list as one (EWMA, threshold): the metric furthest into its
+        // threshold, so the controller's strict overload test holds when any metric's does.
+        let tps = judge(opts, Signal::Tps, pool, seg, now_s);
+        let ttft = judge(opts, Signal::Ttft, pool, seg, now_s);
         let input = AimdInput {
             current: aimd_current(opts, pool, seg, now_s),
             // The pool's live in-flight at this tick (the segment has it exactly; zero when
             // idle, which is what lets hold_when_idle hold).
             concurrency: pool_inflight(pool, seg) as f64,
             rejected_since_last: c(ctl::REJ).load(Relaxed),
-            tps_ewma: current_ewma(opts, Signal::Tps, pool, seg, now_s),
-            tps_threshold: threshold(opts, Signal::Tps, pool, seg, now_s).map(|t| t.0),
+            // No first-metric EWMA: the tick writes nothing (notes-control §4.4).
+            tps_ewma: tps
+                .first_ewma
+                .and(tps.binding.map(|b| b.ewma).or(tps.first_ewma)),
+            tps_threshold: tps.binding.map(|b| b.threshold),
             // TTFT switched off at run time is no signal for the controller either.
-            ttft_ewma: current_ewma(opts, Signal::Ttft, pool, seg, now_s)
+            ttft_ewma: ttft
+                .binding
+                .map(|b| b.ewma)
                 .filter(|_| !ps::gate_off(seg, pool.slots.ttft)),
-            ttft_threshold: threshold(opts, Signal::Ttft, pool, seg, now_s).map(|t| t.0),
+            ttft_threshold: ttft.binding.map(|b| b.threshold),
             static_max: static_max(pool),
         };
         if let Some(v) = aimd::step(&p, &input) {
@@ -437,4 +587,131 @@ pub fn count_trip(seg: &Segment, pool: &PoolRt, gate: &str) {
         _ => seg.route_cell(pool.slots.tps, win::TRIPS_WHILE_OFF),
     };
     cell.fetch_add(1, Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ServerDefaults;
+
+    fn spec(metric: &str, q: Option<f64>, threshold: Option<f64>) -> MetricSpec {
+        MetricSpec {
+            metric: metric.into(),
+            q,
+            threshold,
+        }
+    }
+
+    /// Every entry of a declared list is folded into its own EWMA from the same windows,
+    /// and the gate sheds when any one is over its threshold, naming that one. The
+    /// control: the same samples judged by the list's first entry alone pass. A reload
+    /// that puts another metric in the second place does not read the old one's EWMA.
+    #[test]
+    fn every_metric_of_a_list_is_measured_and_any_one_over_its_threshold_sheds() {
+        let tmp = crate::testutil::TempSegment::new("metrics");
+        let seg = &tmp.seg;
+        let pool = PoolRt {
+            model: None,
+            peers: Vec::new(),
+            slots: ps::PoolSlots::new(seg, "r", None).unwrap(),
+        };
+        let mut opts = RouteOpts::defaults(&ServerDefaults::default());
+        opts.ttft_window = 1;
+        opts.ttft_ttl = 60;
+        opts.ttft_probe_per_window = 0;
+        opts.ttft_metrics = vec![
+            spec("avg", None, Some(100_000.0)),
+            spec("p90", Some(0.9), Some(2_000.0)),
+            spec("p50", Some(0.5), None),
+        ];
+        let t0 = 1_800_000_000;
+        tick(&opts, &pool, seg, t0);
+        // One window: eight fast first tokens and two slow ones.
+        for v in [100.0; 8].into_iter().chain([9_000.0; 2]) {
+            ps::record(seg, pool.slots.ttft, Signal::Ttft.bounds(), v, t0, 1);
+        }
+        tick(&opts, &pool, seg, t0 + 1);
+        let j = judge(&opts, Signal::Ttft, &pool, seg, t0 + 1);
+        assert_eq!(j.first_ewma, Some(1_880.0), "the average of the window");
+        assert!(j.has_threshold);
+        let b = j.binding.expect("two metrics have an EWMA and a threshold");
+        assert_eq!(b.metric, 1, "{j:?}");
+        assert!(b.ewma >= 9_000.0 && b.threshold == 2_000.0, "{b:?}");
+        // The metric without a threshold is measured all the same.
+        let tag = metric_tag(&opts.ttft_metrics[2]);
+        let p50 = ps::metric_ewma(seg, pool.slots.ttft, 2, tag, t0 + 1, 60);
+        assert!(p50.is_some_and(|v| v < 1_000.0), "{p50:?}");
+        match gate(&opts, Signal::Ttft, &pool, seg, t0 + 1, true) {
+            Verdict::Shed { metric, .. } => {
+                assert_eq!(metric_name(&opts, Signal::Ttft, metric), "p90")
+            }
+            v => panic!("{v:?}"),
+        }
+        // The control: the first entry alone is under its threshold.
+        let mut first_only = opts.clone();
+        first_only.ttft_metrics.truncate(1);
+        assert_eq!(
+            gate(&first_only, Signal::Ttft, &pool, seg, t0 + 1, true),
+            Verdict::Pass
+        );
+        // Another metric in the second place starts without an EWMA, and is folded from
+        // the next window on.
+        let mut reloaded = opts.clone();
+        reloaded.ttft_metrics[1] = spec("p95", Some(0.95), Some(2_000.0));
+        assert_eq!(
+            gate(&reloaded, Signal::Ttft, &pool, seg, t0 + 1, true),
+            Verdict::Pass
+        );
+        for v in [100.0; 8].into_iter().chain([9_000.0; 2]) {
+            ps::record(seg, pool.slots.ttft, Signal::Ttft.bounds(), v, t0 + 1, 1);
+        }
+        tick(&reloaded, &pool, seg, t0 + 2);
+        assert!(matches!(
+            gate(&reloaded, Signal::Ttft, &pool, seg, t0 + 2, true),
+            Verdict::Shed { metric: 1, .. }
+        ));
+    }
+
+    /// The decode rate's list sheds when any metric is at or under its threshold, and the
+    /// adaptive controller's strict test sees the metric furthest under.
+    #[test]
+    fn a_decode_rate_list_binds_on_the_metric_furthest_under_its_threshold() {
+        let tmp = crate::testutil::TempSegment::new("tpsmetrics");
+        let seg = &tmp.seg;
+        let pool = PoolRt {
+            model: None,
+            peers: Vec::new(),
+            slots: ps::PoolSlots::new(seg, "r", None).unwrap(),
+        };
+        let mut opts = RouteOpts::defaults(&ServerDefaults::default());
+        opts.tps_window = 1;
+        opts.tps_ttl = 60;
+        opts.tps_probe_per_window = 0;
+        opts.tps_metrics = vec![
+            spec("avg", None, Some(10.0)),
+            spec("p10", Some(0.1), Some(20.0)),
+        ];
+        let t0 = 1_800_000_000;
+        tick(&opts, &pool, seg, t0);
+        for v in [5.0].into_iter().chain([100.0; 9]) {
+            ps::record(seg, pool.slots.tps, Signal::Tps.bounds(), v, t0, 1);
+        }
+        tick(&opts, &pool, seg, t0 + 1);
+        let j = judge(&opts, Signal::Tps, &pool, seg, t0 + 1);
+        // The average (90.5) is well over 10; the low tail is under 20.
+        assert!(j.first_ewma.is_some_and(|e| e > 10.0), "{j:?}");
+        let b = j.binding.unwrap();
+        assert_eq!(b.metric, 1, "{j:?}");
+        assert!(b.ewma < b.threshold, "{b:?}");
+        assert!(matches!(
+            gate(&opts, Signal::Tps, &pool, seg, t0 + 1, true),
+            Verdict::Shed { metric: 1, .. }
+        ));
+        assert!(tps_configured(&opts, &pool));
+        opts.tps_metrics.truncate(1);
+        assert_eq!(
+            gate(&opts, Signal::Tps, &pool, seg, t0 + 1, true),
+            Verdict::Pass
+        );
+    }
 }

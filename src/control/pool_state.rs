@@ -34,7 +34,18 @@ pub mod win {
     pub const OFF: usize = 39;
     /// Requests that tripped this gate while the rate-limit master switch was off.
     pub const TRIPS_WHILE_OFF: usize = 40;
+    /// The EWMAs of a declared metric list's later entries (the first entry's is
+    /// `EWMA_BITS`): entry `i ≥ 1` has `EXTRA_CELLS` cells from `EXTRA + (i - 1) ×
+    /// EXTRA_CELLS`: the EWMA's f64 bits, when it was last folded (s; 0 = none), and the
+    /// tag of the metric it belongs to (0 = none), so that an EWMA is not read as another
+    /// metric's after a reload reorders or changes the list. Up to 63, the slot's last cell.
+    pub const EXTRA: usize = 41;
+    pub const EXTRA_CELLS: usize = 3;
 }
+
+const _: () = assert!(
+    win::EXTRA + (crate::config::MAX_METRICS - 1) * win::EXTRA_CELLS <= warmroute_shm::ROUTE_CELLS
+);
 
 /// Cells of a pool's control slot.
 pub mod ctl {
@@ -314,6 +325,74 @@ pub fn store_window_state(seg: &Segment, slot: RouteSlot, st: super::ewma::Windo
     cell(seg, slot, win::EWMA_BITS).store(st.ewma_bits, Relaxed);
     cell(seg, slot, win::EWMA_AT_S).store(st.last_fold_s, Relaxed);
     cell(seg, slot, win::FOLDED_WIN).store(st.win, Relaxed);
+}
+
+/// The cells `[bits, at_s, tag]` of metric `i ≥ 1`'s EWMA (see [`win::EXTRA`]).
+fn extra_cells(i: usize) -> [usize; 3] {
+    let base = win::EXTRA + (i - 1) * win::EXTRA_CELLS;
+    [base, base + 1, base + 2]
+}
+
+/// The live EWMA of metric `i` of a declared list, or None when there is none, it
+/// expired, or (for `i ≥ 1`) it was folded for another metric than `tag`'s.
+pub fn metric_ewma(
+    seg: &Segment,
+    slot: RouteSlot,
+    i: usize,
+    tag: u64,
+    now_s: u64,
+    ttl_s: u64,
+) -> Option<f64> {
+    if i == 0 {
+        return ewma(seg, slot, now_s, ttl_s);
+    }
+    let [bits, at, t] = extra_cells(i);
+    if cell(seg, slot, t).load(Relaxed) != tag {
+        return None;
+    }
+    let at = cell(seg, slot, at).load(Relaxed);
+    (at != 0 && now_s.saturating_sub(at) <= ttl_s)
+        .then(|| f64::from_bits(cell(seg, slot, bits).load(Relaxed)))
+}
+
+/// The folder's state of metric `i ≥ 1`'s EWMA, as of the slot's last folded window
+/// `win`; an EWMA tagged for another metric counts as none.
+pub fn extra_window_state(
+    seg: &Segment,
+    slot: RouteSlot,
+    i: usize,
+    tag: u64,
+    win: u64,
+) -> super::ewma::WindowState {
+    let [bits, at, t] = extra_cells(i);
+    let mine = cell(seg, slot, t).load(Relaxed) == tag;
+    super::ewma::WindowState {
+        win,
+        ewma_bits: if mine {
+            cell(seg, slot, bits).load(Relaxed)
+        } else {
+            0
+        },
+        last_fold_s: if mine {
+            cell(seg, slot, at).load(Relaxed)
+        } else {
+            0
+        },
+    }
+}
+
+/// Store metric `i ≥ 1`'s folded EWMA under its tag (the window id stays the slot's own).
+pub fn store_extra_window_state(
+    seg: &Segment,
+    slot: RouteSlot,
+    i: usize,
+    tag: u64,
+    st: super::ewma::WindowState,
+) {
+    let [bits, at, t] = extra_cells(i);
+    cell(seg, slot, bits).store(st.ewma_bits, Relaxed);
+    cell(seg, slot, at).store(st.last_fold_s, Relaxed);
+    cell(seg, slot, t).store(tag, Relaxed);
 }
 
 /// Seconds since the epoch.

@@ -711,7 +711,11 @@ async fn proxy(
                 None => latency::gate(opts, sig, pool, seg, now_s, rate_on),
             };
             match verdict {
-                latency::Verdict::Shed { ewma, threshold } => {
+                latency::Verdict::Shed {
+                    ewma,
+                    threshold,
+                    metric,
+                } => {
                     rcell(if sig == Signal::Ttft {
                         cells::route::REJECT_TTFT
                     } else {
@@ -724,7 +728,7 @@ async fn proxy(
                         threshold,
                         names: Box::new((
                             pool.model.clone().or_else(|| model.map(String::from)),
-                            latency::signal_cfg(opts, sig).metric,
+                            latency::metric_name(opts, sig, metric),
                         )),
                         healthy_peers: fig.healthy_peers,
                         active_level: fig.active_level,
@@ -1525,15 +1529,21 @@ fn graded_gate(
     if ps::gate_off(seg, slot) {
         return latency::Verdict::Pass;
     }
-    let Some((threshold, _)) = latency::threshold(opts, sig, pool, seg, now_s) else {
+    if sig.metrics(opts).len() <= 1 && latency::threshold(opts, sig, pool, seg, now_s).is_none() {
         return latency::Verdict::Pass;
-    };
+    }
+    // The grades scale the threshold, so the metric furthest into its own is the one that
+    // reaches each grade first.
+    let judged = latency::judge(opts, sig, pool, seg, now_s);
+    if !judged.has_threshold {
+        return latency::Verdict::Pass;
+    }
     let cfg = latency::signal_cfg(opts, sig);
     let hold_cell = seg.route_cell(prio_slot, cell::HOLD);
     let t1_win = now_s / cfg.probe_window_s.max(1);
     let input = sp::GradedInput {
-        ewma: ps::ewma(seg, slot, now_s, cfg.ewma.ttl_s),
-        threshold: Some(threshold),
+        ewma: judged.binding.map(|b| b.ewma),
+        threshold: judged.binding.map(|b| b.threshold),
         bucket,
         hold: hold_cell.load(Relaxed) == 1,
         warm_probes_used: ps::probes_used(seg, slot, now_s, cfg.probe_window_s),
@@ -1573,6 +1583,7 @@ fn graded_gate(
         PrioGate::Shed { ewma, limit, .. } => latency::Verdict::Shed {
             ewma,
             threshold: limit,
+            metric: judged.binding.map_or(0, |b| b.metric),
         },
     }
 }
