@@ -7,8 +7,10 @@
 //!   duplicated key the last entry wins. So an entry that begins with `:` (`:alice`, a key
 //!   left out by mistake) is skipped. The reference's Lua takes such an entry as a key as
 //!   it stands, which would let `Bearer :alice` in; this is kept the safer way on purpose
-//!   while other keys remain. A file of nothing but such entries holds no key, and is then
-//!   fail-open like any empty file (below): start-up and `check` warn that it holds none.
+//!   while other keys remain. A file of nothing but such entries holds no key and is read
+//!   as an empty file: at start-up the routes without their own `api_keys` are then open
+//!   (fail-open, logged as an error), `check` fails on it, and a reload that finds it so
+//!   keeps the keys it had before.
 //! - A request presents `Authorization: Bearer <key>` or else `x-api-key: <key>`.
 //! - An empty table means auth is off for the route (fail-open); otherwise the presented key
 //!   must be in the table, compared in constant time with respect to key contents.

@@ -454,6 +454,50 @@ fn a_401_keeps_the_connection_when_the_body_came_with_the_head() {
     );
 }
 
+/// A bare request (dispatched by its body's model) reads its body before the key is
+/// checked, so its 401 leaves nothing on the wire and keeps the connection, whether the
+/// body came with a length or chunked; the request behind it is served.
+#[test]
+fn a_bare_requests_401_keeps_the_connection() {
+    let m = mock("m0");
+    let env = start(
+        &[(
+            "k",
+            route_for(
+                &[m.addr()],
+                "api_keys = { \"sk\" = \"o\" }\nmodels = [\"mock-model\"]\n",
+            ),
+        )],
+        "",
+    );
+    let body = chat_body("x", false);
+    let mut all = post_json("/v1/chat/completions", &body, "");
+    all.extend_from_slice(
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n\
+             Transfer-Encoding: chunked\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n",
+            body.len()
+        )
+        .as_bytes(),
+    );
+    all.extend_from_slice(&post_json(
+        "/v1/chat/completions",
+        &body,
+        "authorization: Bearer sk\r\n",
+    ));
+    let mut s = connect(env.public());
+    s.write_all(&all).unwrap();
+    let mut r = BufReader::new(s);
+    for framing in ["content-length", "chunked"] {
+        let refused = read_response(&mut r, false).unwrap();
+        assert_eq!(refused.status, 401, "{framing}: {}", refused.text());
+        assert_ne!(refused.header("connection"), Some("close"), "{framing}");
+    }
+    let served = read_response(&mut r, false).unwrap();
+    assert_eq!(served.status, 200, "{}", served.text());
+    assert_eq!(served.header("x-mock-peer"), Some("m0"));
+}
+
 /// A POST to the route with `n` headers in all (`Host`, `Content-Type`, `Content-Length` and
 /// `n - 3` more, the last padded) and a head of `head_len` bytes.
 fn request_with_headers(n: usize, head_len: usize) -> Vec<u8> {

@@ -334,18 +334,20 @@ impl ClientConn {
                 let mut body = spares.take(n.min(have.max(BODY_BUF_FIRST_BYTES)));
                 body.extend_from_slice(&self.inbuf[..have]);
                 self.inbuf.drain(..have);
+                // The length and the room the usage injection may use (as `take` leaves),
+                // so that the injection never has to move the body.
+                let room = n + crate::transform::USAGE_MEMBER.len();
+                if (n..room).contains(&body.capacity()) {
+                    // A first buffer that holds the length but not that room (a rounded-up
+                    // or lent one) gets it now, while it holds only what came with the head.
+                    body.reserve_exact(room - body.len());
+                }
                 while body.len() < n {
                     let len = body.len();
                     if body.capacity() == len {
-                        // Full: double it; once that would hold the declared length, make
-                        // it the length and the room the usage injection may use (as `take`
-                        // leaves), so the injection never has to move the body.
+                        // Full: double it, up to the length and its room.
                         let to = (2 * len).max(BODY_BUF_FIRST_BYTES);
-                        let to = if to >= n {
-                            n + crate::transform::USAGE_MEMBER.len()
-                        } else {
-                            to
-                        };
+                        let to = if to >= n { room } else { to };
                         body.reserve_exact(to - len);
                     }
                     let end = body.capacity().min(n);

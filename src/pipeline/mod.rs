@@ -517,6 +517,9 @@ async fn proxy(
             // closes. A bare request's 401 comes after its body was read: nothing to drop.
             let from_head = match &e {
                 ProxyError::Unauthorized => key_before_body,
+                // Only `prepare`'s refusal before the body is read has an empty list: one
+                // made after it names the models some route serves, which are never none
+                // there. An empty list from a later refusal would drop the next request.
                 ProxyError::ModelNotSupported { supported, .. } => supported.is_empty(),
                 _ => false,
             };
