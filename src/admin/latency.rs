@@ -37,9 +37,7 @@ fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
         let thr = latency::threshold(opts, sig, p, seg, now_s);
         let e = latency::current_ewma(opts, sig, p, seg, now_s);
         let judged = latency::judge(opts, sig, p, seg, now_s);
-        let hit = judged
-            .binding
-            .is_some_and(|b| ewma::hit(sig.dir(), Some(b.ewma), Some(b.threshold), false));
+        let hit = judged.first_hit.is_some();
         // Every metric of the resolved list: the first with the threshold in force, the
         // later entries of a declared list with their own.
         let mut metrics = vec![json!({
@@ -49,7 +47,7 @@ fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
         })];
         for (i, m) in sig.metrics(opts).iter().enumerate().skip(1) {
             let ttl = cfg.ewma.ttl_s;
-            let tag = latency::metric_tag(m);
+            let tag = latency::metric_tag(opts, sig, i);
             metrics.push(json!({
                 "metric": m.metric,
                 "ewma": ps::metric_ewma(seg, slot, i, tag, now_s, ttl),
@@ -64,7 +62,7 @@ fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
             "active": judged.has_threshold && !ps::gate_off(seg, slot),
             "enforcing": judged.has_threshold && !ps::gate_off(seg, slot) && (sig == Signal::Ttft || !opts.adaptive_cc),
             "hit": hit,
-            "hit_metric": judged.binding.filter(|_| hit).map(|b| latency::metric_name(opts, sig, b.metric)),
+            "hit_metric": judged.first_hit.map(|b| latency::metric_name(opts, sig, b.metric)),
             "metrics": metrics,
             "runtime_off": ps::gate_off(seg, slot),
             "probe_used_cur_window": ps::probes_used(seg, slot, now_s, cfg.probe_window_s),

@@ -170,14 +170,14 @@ fn pool_ttft_ewma(x: &mut Exposition, s: &Sources) {
         x,
         s,
         "warmroute_pool_ttft_ewma_seconds",
-        "The pool's TTFT EWMA (the windowed quantile the TTFT gate compares with its threshold).",
+        "The pool's TTFT EWMA (the windowed p80, or the first entry of the route's ttft_metrics; _ttft_status shows every entry).",
         crate::control::latency::Signal::Ttft,
         0.001,
     );
 }
 
 fn pool_decode_rate_ewma(x: &mut Exposition, s: &Sources) {
-    pool_signal_ewma(x, s, "warmroute_pool_decode_rate_ewma", "The pool's decode-rate EWMA in tokens per second (the low tail the TPS gate and adaptive concurrency use).", crate::control::latency::Signal::Tps, 1.0);
+    pool_signal_ewma(x, s, "warmroute_pool_decode_rate_ewma", "The pool's decode-rate EWMA in tokens per second (the windowed low tail, or the first entry of the route's tps_metrics; _tps_status shows every entry).", crate::control::latency::Signal::Tps, 1.0);
 }
 
 fn pool_effective_limit(x: &mut Exposition, s: &Sources) {

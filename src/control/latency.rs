@@ -130,13 +130,17 @@ fn metric_stat(m: &MetricSpec, default_q: f64) -> Stat {
     }
 }
 
-/// A declared metric's tag in the segment ([`ps::win::EXTRA`]): a hash of its name and
-/// statistic, never 0 (0 = no EWMA stored).
-pub fn metric_tag(m: &MetricSpec) -> u64 {
-    let mut h = crc32fast::Hasher::new();
-    h.update(m.metric.as_bytes());
-    h.update(&m.q.map_or(u64::MAX, f64::to_bits).to_le_bytes());
-    u64::from(h.finalize()) | 1 << 32
+/// The tag of metric `i` of the resolved list in the segment ([`ps::win::EXTRA`],
+/// [`ps::win::FIRST_TAG`]): its statistic, which is what its EWMA means; never 0.
+pub fn metric_tag(opts: &RouteOpts, sig: Signal, i: usize) -> u64 {
+    let stat = match sig.metrics(opts).get(i) {
+        Some(m) => metric_stat(m, sig.default_q()),
+        None => Stat::Quantile(sig.default_q()),
+    };
+    match stat {
+        Stat::Avg => u64::MAX,
+        Stat::Quantile(q) => q.to_bits().max(1),
+    }
 }
 
 /// The name of metric `i` of the signal's resolved list (the single default metric when
@@ -175,8 +179,13 @@ pub struct Judged {
     pub has_threshold: bool,
     /// Of the metrics with both a live EWMA and a threshold, the one furthest into its
     /// threshold (the first of equals): the list hits, strictly or not, exactly when this
-    /// one does, and a graded gate (turn priority) that scales thresholds grades by it.
+    /// one does (the adaptive controller's strict test reads it), and a graded gate (turn
+    /// priority), whose grades scale each threshold by one factor, grades by it (up to
+    /// the rounding of the ratio).
     pub binding: Option<Binding>,
+    /// The first metric in list order at or beyond its threshold: the one a shed names,
+    /// as the reference's does.
+    pub first_hit: Option<Binding>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -198,25 +207,31 @@ pub fn judge(opts: &RouteOpts, sig: Signal, pool: &PoolRt, seg: &Segment, now_s:
         Signal::Ttft => opts.ttft_ttl,
         Signal::Tps => opts.tps_ttl,
     };
-    let e0 = ps::ewma(seg, slot, now_s, ttl);
+    let e0 = ps::metric_ewma(seg, slot, 0, metric_tag(opts, sig, 0), now_s, ttl);
     let mut out = Judged {
         first_ewma: e0,
         has_threshold: t0.is_some(),
         binding: None,
+        first_hit: None,
     };
     let mut consider = |i: usize, e: Option<f64>, t: Option<f64>| {
         let (Some(e), Some(t)) = (e, t) else {
             return;
         };
-        let further = out
+        let this = Binding {
+            ewma: e,
+            threshold: t,
+            metric: i,
+        };
+        let l = load(sig.dir(), e, t);
+        if out
             .binding
-            .is_none_or(|b| load(sig.dir(), e, t) > load(sig.dir(), b.ewma, b.threshold));
-        if further {
-            out.binding = Some(Binding {
-                ewma: e,
-                threshold: t,
-                metric: i,
-            });
+            .is_none_or(|b| l > load(sig.dir(), b.ewma, b.threshold))
+        {
+            out.binding = Some(this);
+        }
+        if out.first_hit.is_none() && ewma::hit(sig.dir(), Some(e), Some(t), false) {
+            out.first_hit = Some(this);
         }
     };
     consider(0, e0, t0);
@@ -224,11 +239,8 @@ pub fn judge(opts: &RouteOpts, sig: Signal, pool: &PoolRt, seg: &Segment, now_s:
         let t = m.threshold.filter(|t| t.is_finite() && *t >= 0.0);
         out.has_threshold |= t.is_some();
         if t.is_some() {
-            consider(
-                i,
-                ps::metric_ewma(seg, slot, i, metric_tag(m), now_s, ttl),
-                t,
-            );
+            let tag = metric_tag(opts, sig, i);
+            consider(i, ps::metric_ewma(seg, slot, i, tag, now_s, ttl), t);
         }
     }
     out
@@ -269,7 +281,8 @@ pub fn current_ewma(
     seg: &Segment,
     now_s: u64,
 ) -> Option<f64> {
-    ps::ewma(seg, sig.slot(pool), now_s, signal_cfg(opts, sig).ewma.ttl_s)
+    let ttl = signal_cfg(opts, sig).ewma.ttl_s;
+    ps::metric_ewma(seg, sig.slot(pool), 0, metric_tag(opts, sig, 0), now_s, ttl)
 }
 
 /// Record one sample of a signal everywhere it is kept: the route's histogram, the pool's
@@ -344,13 +357,12 @@ pub fn gate(
     if sig.metrics(opts).len() <= 1 && threshold(opts, sig, pool, seg, now_s).is_none() {
         return Verdict::Pass;
     }
-    let Some(b) = judge(opts, sig, pool, seg, now_s).binding else {
+    // Any metric at or beyond its threshold trips the gate; the first in list order is
+    // the one judged and named.
+    let Some(b) = judge(opts, sig, pool, seg, now_s).first_hit else {
         return Verdict::Pass;
     };
     let (e, thr) = (Some(b.ewma), Some(b.threshold));
-    if !ewma::hit(sig.dir(), e, thr, false) {
-        return Verdict::Pass;
-    }
     if !enforce {
         return Verdict::Trip;
     }
@@ -485,7 +497,8 @@ pub fn tick(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) {
     for sig in [Signal::Ttft, Signal::Tps] {
         let slot = sig.slot(pool);
         let cfg = signal_cfg(opts, sig);
-        let st = ps::window_state(seg, slot);
+        let tag0 = metric_tag(opts, sig, 0);
+        let st = ps::window_state(seg, slot, tag0);
         let cur = cfg.ewma.window_id(now_s);
         if st.win == cur {
             continue;
@@ -494,7 +507,7 @@ pub fn tick(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) {
         // A declared list's later entries take their own statistic of the same window,
         // folded as of the same last window (before the first entry's state moves on).
         for (i, m) in sig.metrics(opts).iter().enumerate().skip(1) {
-            let tag = metric_tag(m);
+            let tag = metric_tag(opts, sig, i);
             let v = ewma::window_stat(
                 metric_stat(m, sig.default_q()),
                 sig.bounds(),
@@ -507,7 +520,8 @@ pub fn tick(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) {
             ps::store_extra_window_state(seg, slot, i, tag, next);
         }
         let v = ewma::window_stat(cfg.stat, sig.bounds(), &counts, sum, n);
-        ps::store_window_state(seg, slot, ewma::advance_merged(st, &cfg.ewma, now_s, v));
+        let next = ewma::advance_merged(st, &cfg.ewma, now_s, v);
+        ps::store_window_state(seg, slot, tag0, next);
     }
     let c = |i| ps::ctl_cell(seg, pool.slots.ctl, i);
     if adaptive_in_force(opts, pool, seg)
@@ -638,7 +652,7 @@ mod tests {
         assert_eq!(b.metric, 1, "{j:?}");
         assert!(b.ewma >= 9_000.0 && b.threshold == 2_000.0, "{b:?}");
         // The metric without a threshold is measured all the same.
-        let tag = metric_tag(&opts.ttft_metrics[2]);
+        let tag = metric_tag(&opts, Signal::Ttft, 2);
         let p50 = ps::metric_ewma(seg, pool.slots.ttft, 2, tag, t0 + 1, 60);
         assert!(p50.is_some_and(|v| v < 1_000.0), "{p50:?}");
         match gate(&opts, Signal::Ttft, &pool, seg, t0 + 1, true) {
@@ -670,6 +684,58 @@ mod tests {
             gate(&reloaded, Signal::Ttft, &pool, seg, t0 + 2, true),
             Verdict::Shed { metric: 1, .. }
         ));
+    }
+
+    /// A reload that swaps a list's entries does not read one metric's EWMA as the other's,
+    /// the first entry's included: the new first entry starts without an EWMA. (Untagged,
+    /// the old p99 EWMA read as the new first entry's average would shed.)
+    #[test]
+    fn a_reordered_list_starts_its_moved_metrics_fresh() {
+        let tmp = crate::testutil::TempSegment::new("reorder");
+        let seg = &tmp.seg;
+        let pool = PoolRt {
+            model: None,
+            peers: Vec::new(),
+            slots: ps::PoolSlots::new(seg, "r", None).unwrap(),
+        };
+        let mut opts = RouteOpts::defaults(&ServerDefaults::default());
+        opts.ttft_window = 1;
+        opts.ttft_ttl = 60;
+        opts.ttft_probe_per_window = 0;
+        opts.ttft_metrics = vec![
+            spec("p99", Some(0.99), Some(30_000.0)),
+            spec("avg", None, Some(5_000.0)),
+        ];
+        let t0 = 1_800_000_000;
+        tick(&opts, &pool, seg, t0);
+        for v in [100.0; 9].into_iter().chain([9_000.0]) {
+            ps::record(seg, pool.slots.ttft, Signal::Ttft.bounds(), v, t0, 1);
+        }
+        tick(&opts, &pool, seg, t0 + 1);
+        // The control: both measured, neither over its threshold.
+        let j = judge(&opts, Signal::Ttft, &pool, seg, t0 + 1);
+        assert_eq!(j.first_ewma, Some(12_000.0), "{j:?}");
+        assert_eq!(j.binding.map(|b| b.metric), Some(0), "{j:?}");
+        assert_eq!(
+            gate(&opts, Signal::Ttft, &pool, seg, t0 + 1, true),
+            Verdict::Pass
+        );
+        let mut swapped = opts.clone();
+        swapped.ttft_metrics.swap(0, 1);
+        let j = judge(&swapped, Signal::Ttft, &pool, seg, t0 + 1);
+        assert_eq!((j.first_ewma, j.binding), (None, None), "{j:?}");
+        assert_eq!(
+            gate(&swapped, Signal::Ttft, &pool, seg, t0 + 1, true),
+            Verdict::Pass
+        );
+        // From the next window each is folded under its own tag again.
+        for v in [100.0; 9].into_iter().chain([9_000.0]) {
+            ps::record(seg, pool.slots.ttft, Signal::Ttft.bounds(), v, t0 + 1, 1);
+        }
+        tick(&swapped, &pool, seg, t0 + 2);
+        let j = judge(&swapped, Signal::Ttft, &pool, seg, t0 + 2);
+        assert_eq!(j.first_ewma, Some(990.0), "the average: {j:?}");
+        assert_eq!(j.first_hit, None, "{j:?}");
     }
 
     /// The decode rate's list sheds when any metric is at or under its threshold, and the

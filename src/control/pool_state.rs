@@ -37,14 +37,19 @@ pub mod win {
     /// The EWMAs of a declared metric list's later entries (the first entry's is
     /// `EWMA_BITS`): entry `i ≥ 1` has `EXTRA_CELLS` cells from `EXTRA + (i - 1) ×
     /// EXTRA_CELLS`: the EWMA's f64 bits, when it was last folded (s; 0 = none), and the
-    /// tag of the metric it belongs to (0 = none), so that an EWMA is not read as another
-    /// metric's after a reload reorders or changes the list. Up to 63, the slot's last cell.
+    /// tag of the statistic it was folded from (`latency::metric_tag`), so that an EWMA is
+    /// not read as another metric's after a reload reorders or changes the list. Cells
+    /// 41–61 for the seven later entries of a list of eight.
     pub const EXTRA: usize = 41;
     pub const EXTRA_CELLS: usize = 3;
+    /// The same tag for the first entry's EWMA (`EWMA_BITS`). 0 = folded by a build that
+    /// did not tag it (an older router sharing the segment in a takeover), taken as it is.
+    pub const FIRST_TAG: usize = 62;
 }
 
 const _: () = assert!(
-    win::EXTRA + (crate::config::MAX_METRICS - 1) * win::EXTRA_CELLS <= warmroute_shm::ROUTE_CELLS
+    win::EXTRA + (crate::config::MAX_METRICS - 1) * win::EXTRA_CELLS <= win::FIRST_TAG
+        && win::FIRST_TAG < warmroute_shm::ROUTE_CELLS
 );
 
 /// Cells of a pool's control slot.
@@ -213,13 +218,6 @@ pub fn take_bank(seg: &Segment, slot: RouteSlot, w: u64) -> ([u64; 14], f64, u64
     (counts, sum, n)
 }
 
-/// The live EWMA, or None when there is none or it expired (`ttl_s` without a fold).
-pub fn ewma(seg: &Segment, slot: RouteSlot, now_s: u64, ttl_s: u64) -> Option<f64> {
-    let at = cell(seg, slot, win::EWMA_AT_S).load(Relaxed);
-    (at != 0 && now_s.saturating_sub(at) <= ttl_s)
-        .then(|| f64::from_bits(cell(seg, slot, win::EWMA_BITS).load(Relaxed)))
-}
-
 /// The runtime threshold override, when set and not expired.
 pub fn threshold_override(seg: &Segment, slot: RouteSlot, now_s: u64) -> Option<f64> {
     let until = cell(seg, slot, win::OVERRIDE_UNTIL_S).load(Relaxed);
@@ -311,19 +309,31 @@ pub fn ctl_cell(seg: &Segment, ctl_slot: RouteSlot, i: usize) -> &AtomicU64 {
     cell(seg, ctl_slot, i)
 }
 
-/// The window state the folder keeps in a window slot.
-pub fn window_state(seg: &Segment, slot: RouteSlot) -> super::ewma::WindowState {
+/// The window state the folder keeps in a window slot, for the first metric of `tag`
+/// (an EWMA folded for another counts as none; the window id is the slot's own).
+pub fn window_state(seg: &Segment, slot: RouteSlot, tag: u64) -> super::ewma::WindowState {
+    let t = cell(seg, slot, win::FIRST_TAG).load(Relaxed);
+    let mine = t == 0 || t == tag;
     super::ewma::WindowState {
         win: cell(seg, slot, win::FOLDED_WIN).load(Relaxed),
-        ewma_bits: cell(seg, slot, win::EWMA_BITS).load(Relaxed),
-        last_fold_s: cell(seg, slot, win::EWMA_AT_S).load(Relaxed),
+        ewma_bits: if mine {
+            cell(seg, slot, win::EWMA_BITS).load(Relaxed)
+        } else {
+            0
+        },
+        last_fold_s: if mine {
+            cell(seg, slot, win::EWMA_AT_S).load(Relaxed)
+        } else {
+            0
+        },
     }
 }
 
-/// Store it: the value before the time that makes it live.
-pub fn store_window_state(seg: &Segment, slot: RouteSlot, st: super::ewma::WindowState) {
+/// Store it under `tag`: the value before the time that makes it live.
+pub fn store_window_state(seg: &Segment, slot: RouteSlot, tag: u64, st: super::ewma::WindowState) {
     cell(seg, slot, win::EWMA_BITS).store(st.ewma_bits, Relaxed);
     cell(seg, slot, win::EWMA_AT_S).store(st.last_fold_s, Relaxed);
+    cell(seg, slot, win::FIRST_TAG).store(tag, Relaxed);
     cell(seg, slot, win::FOLDED_WIN).store(st.win, Relaxed);
 }
 
@@ -333,8 +343,8 @@ fn extra_cells(i: usize) -> [usize; 3] {
     [base, base + 1, base + 2]
 }
 
-/// The live EWMA of metric `i` of a declared list, or None when there is none, it
-/// expired, or (for `i ≥ 1`) it was folded for another metric than `tag`'s.
+/// The live EWMA of metric `i` of the resolved list, or None when there is none, it
+/// expired (`ttl_s` without a fold), or it was folded for another statistic than `tag`'s.
 pub fn metric_ewma(
     seg: &Segment,
     slot: RouteSlot,
@@ -343,11 +353,13 @@ pub fn metric_ewma(
     now_s: u64,
     ttl_s: u64,
 ) -> Option<f64> {
-    if i == 0 {
-        return ewma(seg, slot, now_s, ttl_s);
-    }
-    let [bits, at, t] = extra_cells(i);
-    if cell(seg, slot, t).load(Relaxed) != tag {
+    let [bits, at, t] = if i == 0 {
+        [win::EWMA_BITS, win::EWMA_AT_S, win::FIRST_TAG]
+    } else {
+        extra_cells(i)
+    };
+    let stored = cell(seg, slot, t).load(Relaxed);
+    if stored != tag && !(i == 0 && stored == 0) {
         return None;
     }
     let at = cell(seg, slot, at).load(Relaxed);
