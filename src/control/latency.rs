@@ -608,6 +608,34 @@ mod tests {
     use super::*;
     use crate::config::ServerDefaults;
 
+    /// A segment, one pool in it, and a route's defaults with 1 s windows, a 60 s TTL and
+    /// no probe allowance for both signals.
+    fn fixture(name: &str) -> (crate::testutil::TempSegment, PoolRt, RouteOpts) {
+        let tmp = crate::testutil::TempSegment::new(name);
+        let pool = PoolRt {
+            model: None,
+            peers: Vec::new(),
+            slots: ps::PoolSlots::new(&tmp.seg, "r", None).unwrap(),
+        };
+        let mut opts = RouteOpts::defaults(&ServerDefaults::default());
+        (opts.ttft_window, opts.ttft_ttl, opts.ttft_probe_per_window) = (1, 60, 0);
+        (opts.tps_window, opts.tps_ttl, opts.tps_probe_per_window) = (1, 60, 0);
+        (tmp, pool, opts)
+    }
+
+    /// Record `samples` of `sig` in the window of `at`.
+    fn window(
+        seg: &Segment,
+        pool: &PoolRt,
+        sig: Signal,
+        at: u64,
+        samples: impl IntoIterator<Item = f64>,
+    ) {
+        for v in samples {
+            ps::record(seg, sig.slot(pool), sig.bounds(), v, at, 1);
+        }
+    }
+
     fn spec(metric: &str, q: Option<f64>, threshold: Option<f64>) -> MetricSpec {
         MetricSpec {
             metric: metric.into(),
@@ -622,17 +650,8 @@ mod tests {
     /// that puts another metric in the second place does not read the old one's EWMA.
     #[test]
     fn every_metric_of_a_list_is_measured_and_any_one_over_its_threshold_sheds() {
-        let tmp = crate::testutil::TempSegment::new("metrics");
+        let (tmp, pool, mut opts) = fixture("metrics");
         let seg = &tmp.seg;
-        let pool = PoolRt {
-            model: None,
-            peers: Vec::new(),
-            slots: ps::PoolSlots::new(seg, "r", None).unwrap(),
-        };
-        let mut opts = RouteOpts::defaults(&ServerDefaults::default());
-        opts.ttft_window = 1;
-        opts.ttft_ttl = 60;
-        opts.ttft_probe_per_window = 0;
         opts.ttft_metrics = vec![
             spec("avg", None, Some(100_000.0)),
             spec("p90", Some(0.9), Some(2_000.0)),
@@ -641,9 +660,13 @@ mod tests {
         let t0 = 1_800_000_000;
         tick(&opts, &pool, seg, t0);
         // One window: eight fast first tokens and two slow ones.
-        for v in [100.0; 8].into_iter().chain([9_000.0; 2]) {
-            ps::record(seg, pool.slots.ttft, Signal::Ttft.bounds(), v, t0, 1);
-        }
+        window(
+            seg,
+            &pool,
+            Signal::Ttft,
+            t0,
+            [100.0; 8].into_iter().chain([9_000.0; 2]),
+        );
         tick(&opts, &pool, seg, t0 + 1);
         let j = judge(&opts, Signal::Ttft, &pool, seg, t0 + 1);
         assert_eq!(j.first_ewma, Some(1_880.0), "the average of the window");
@@ -676,9 +699,13 @@ mod tests {
             gate(&reloaded, Signal::Ttft, &pool, seg, t0 + 1, true),
             Verdict::Pass
         );
-        for v in [100.0; 8].into_iter().chain([9_000.0; 2]) {
-            ps::record(seg, pool.slots.ttft, Signal::Ttft.bounds(), v, t0 + 1, 1);
-        }
+        window(
+            seg,
+            &pool,
+            Signal::Ttft,
+            t0 + 1,
+            [100.0; 8].into_iter().chain([9_000.0; 2]),
+        );
         tick(&reloaded, &pool, seg, t0 + 2);
         assert!(matches!(
             gate(&reloaded, Signal::Ttft, &pool, seg, t0 + 2, true),
@@ -691,26 +718,21 @@ mod tests {
     /// the old p99 EWMA read as the new first entry's average would shed.)
     #[test]
     fn a_reordered_list_starts_its_moved_metrics_fresh() {
-        let tmp = crate::testutil::TempSegment::new("reorder");
+        let (tmp, pool, mut opts) = fixture("reorder");
         let seg = &tmp.seg;
-        let pool = PoolRt {
-            model: None,
-            peers: Vec::new(),
-            slots: ps::PoolSlots::new(seg, "r", None).unwrap(),
-        };
-        let mut opts = RouteOpts::defaults(&ServerDefaults::default());
-        opts.ttft_window = 1;
-        opts.ttft_ttl = 60;
-        opts.ttft_probe_per_window = 0;
         opts.ttft_metrics = vec![
             spec("p99", Some(0.99), Some(30_000.0)),
             spec("avg", None, Some(5_000.0)),
         ];
         let t0 = 1_800_000_000;
         tick(&opts, &pool, seg, t0);
-        for v in [100.0; 9].into_iter().chain([9_000.0]) {
-            ps::record(seg, pool.slots.ttft, Signal::Ttft.bounds(), v, t0, 1);
-        }
+        window(
+            seg,
+            &pool,
+            Signal::Ttft,
+            t0,
+            [100.0; 9].into_iter().chain([9_000.0]),
+        );
         tick(&opts, &pool, seg, t0 + 1);
         // The control: both measured, neither over its threshold.
         let j = judge(&opts, Signal::Ttft, &pool, seg, t0 + 1);
@@ -729,9 +751,13 @@ mod tests {
             Verdict::Pass
         );
         // From the next window each is folded under its own tag again.
-        for v in [100.0; 9].into_iter().chain([9_000.0]) {
-            ps::record(seg, pool.slots.ttft, Signal::Ttft.bounds(), v, t0 + 1, 1);
-        }
+        window(
+            seg,
+            &pool,
+            Signal::Ttft,
+            t0 + 1,
+            [100.0; 9].into_iter().chain([9_000.0]),
+        );
         tick(&swapped, &pool, seg, t0 + 2);
         let j = judge(&swapped, Signal::Ttft, &pool, seg, t0 + 2);
         assert_eq!(j.first_ewma, Some(990.0), "the average: {j:?}");
@@ -742,26 +768,21 @@ mod tests {
     /// adaptive controller's strict test sees the metric furthest under.
     #[test]
     fn a_decode_rate_list_binds_on_the_metric_furthest_under_its_threshold() {
-        let tmp = crate::testutil::TempSegment::new("tpsmetrics");
+        let (tmp, pool, mut opts) = fixture("tpsmetrics");
         let seg = &tmp.seg;
-        let pool = PoolRt {
-            model: None,
-            peers: Vec::new(),
-            slots: ps::PoolSlots::new(seg, "r", None).unwrap(),
-        };
-        let mut opts = RouteOpts::defaults(&ServerDefaults::default());
-        opts.tps_window = 1;
-        opts.tps_ttl = 60;
-        opts.tps_probe_per_window = 0;
         opts.tps_metrics = vec![
             spec("avg", None, Some(10.0)),
             spec("p10", Some(0.1), Some(20.0)),
         ];
         let t0 = 1_800_000_000;
         tick(&opts, &pool, seg, t0);
-        for v in [5.0].into_iter().chain([100.0; 9]) {
-            ps::record(seg, pool.slots.tps, Signal::Tps.bounds(), v, t0, 1);
-        }
+        window(
+            seg,
+            &pool,
+            Signal::Tps,
+            t0,
+            [5.0].into_iter().chain([100.0; 9]),
+        );
         tick(&opts, &pool, seg, t0 + 1);
         let j = judge(&opts, Signal::Tps, &pool, seg, t0 + 1);
         // The average (90.5) is well over 10; the low tail is under 20.
