@@ -190,6 +190,24 @@ fn a_later_metric_of_a_list_over_its_threshold_sheds() {
         pool["metrics"][1]["ewma"].as_f64().unwrap() >= 300.0,
         "{st}"
     );
+    // The same in the reference's route-level shape (notes-edges §4.1).
+    assert_eq!(st["ewma_ms"]["_"], pool["ewma"], "{st}");
+    let list = &st["metrics"][0];
+    assert_eq!(
+        (&list["model"], &list["source"]),
+        (&json!("_"), &json!("declared"))
+    );
+    assert_eq!(
+        list["items"][0],
+        json!({"metric": "avg", "threshold_ms": 100000.0, "ewma_ms": pool["ewma"]})
+    );
+    assert_eq!(list["items"][1]["q"], 0.9, "{st}");
+    assert_eq!(list["items"][1]["threshold_ms"], 300.0, "{st}");
+    assert_eq!(
+        list["items"][1]["ewma_ms"], pool["metrics"][1]["ewma"],
+        "{st}"
+    );
+    assert_eq!(st["ttl"], 30, "{st}");
     // The controls measured their traffic and did not trip.
     for route in ["b", "fast"] {
         let st = request(env.public(), &get(&format!("/{route}/_ttft_status"))).json();
@@ -635,6 +653,13 @@ fn a_concurrency_429_carries_the_five_minute_cluster_average() {
     let avg = || {
         let c = request(env.public(), &get("/r/_cluster_avg")).json();
         assert!(c["pools"]["_"]["samples"].as_u64().unwrap() >= 1, "{c}");
+        // The reference's route-wide shape too; one pool, so the same figures.
+        assert_eq!(c["avg_5min"], c["pools"]["_"]["avg_5min"], "{c}");
+        assert_eq!(c["samples"], c["pools"]["_"]["samples"], "{c}");
+        let buckets = c["buckets"].as_object().unwrap();
+        assert_eq!(buckets.len() as u64, c["samples"].as_u64().unwrap(), "{c}");
+        assert!(c["cur_bucket_idx"].as_u64().unwrap() < 10, "{c}");
+        assert!(c["realtime_sum"].is_u64(), "{c}");
         c["pools"]["_"]["avg_5min"].clone()
     };
     eventually(Duration::from_secs(5), "a cluster sample", || {

@@ -32,6 +32,11 @@ fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
     let now_s = ps::now_s();
     let cfg = latency::signal_cfg(opts, sig);
     let mut pools = Map::new();
+    // The reference's route-level shape too (notes-edges §4.1): the first metric's EWMA per
+    // pool, and per pool the resolved list with its thresholds and EWMAs.
+    let unit = if sig == Signal::Ttft { "ms" } else { "tps" };
+    let mut ewma_by_pool = Map::new();
+    let mut lists = Vec::new();
     for p in &r.pools {
         let slot = sig.slot(p);
         let thr = latency::threshold(opts, sig, p, seg, now_s);
@@ -54,6 +59,38 @@ fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
                 "threshold": m.threshold,
             }));
         }
+        if let Some(e) = e {
+            ewma_by_pool.insert(pool_key(p), json!(e));
+        }
+        let declared = sig.metrics(opts);
+        let items: Vec<Value> = metrics
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let q = match declared.get(i) {
+                    Some(d) => d.q,
+                    None => Some(sig.default_q()),
+                };
+                let mut item = Map::new();
+                item.insert("metric".into(), m["metric"].clone());
+                for (k, v) in [
+                    ("q", json!(q)),
+                    (&*format!("threshold_{unit}"), m["threshold"].clone()),
+                    (&*format!("ewma_{unit}"), m["ewma"].clone()),
+                ] {
+                    if !v.is_null() {
+                        item.insert(k.into(), v);
+                    }
+                }
+                Value::Object(item)
+            })
+            .collect();
+        let source = match thr.map(|t| t.1) {
+            _ if !declared.is_empty() => "declared",
+            Some(ewma::SRC_OVERRIDE) => "override",
+            _ => "static",
+        };
+        lists.push(json!({"model": pool_key(p), "source": source, "items": items}));
         let mut v = json!({
             "metric": cfg.metric,
             "ewma": e,
@@ -99,19 +136,37 @@ fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
         }
         pools.insert(pool_key(p), v);
     }
-    json!({
+    let (limit, by_model) = match sig {
+        Signal::Ttft => (opts.ttft_limit_ms, &opts.ttft_limit_by_model),
+        Signal::Tps => (opts.tps_limit_tps, &opts.tps_limit_by_model),
+    };
+    let mut out = json!({
         "route": r.name(),
         "signal": sig.name(),
         "alpha": cfg.ewma.alpha,
         "window_s": cfg.ewma.window_s,
         "ttl_s": cfg.ewma.ttl_s,
+        "ttl": cfg.ewma.ttl_s,
         "probe_window_s": cfg.probe_window_s,
+        "probe_window": cfg.probe_window_s,
         "probe_per_window": cfg.probe_per_window,
         "adaptive_cc_on": opts.adaptive_cc,
         "adaptive_cc_hold_when_idle": opts.adaptive_cc_hold_when_idle,
         "adaptive_cc_interval": opts.adaptive_cc_interval,
+        "metrics": lists,
         "pools": pools,
-    })
+    });
+    out[format!("ewma_{unit}")] = Value::Object(ewma_by_pool);
+    let limit_key = if sig == Signal::Ttft {
+        "ttft_limit_ms"
+    } else {
+        "tps_limit_tps"
+    };
+    if let Some(l) = limit {
+        out[limit_key] = json!(l);
+    }
+    out[format!("{}_limit_by_model", sig.name())] = json!(by_model);
+    out
 }
 
 /// A three-way switch's new cell value from its query: `reset=1` → 0 (back to the
@@ -283,21 +338,53 @@ pub fn handle(
         }
         Endpoint::SessionStatus => Some(Response::json(200, &session_status(ctx, r))),
         Endpoint::ClusterAvg => {
-            let per: Map<String, Value> = r
-                .pools
+            // Per pool, and route-wide as the reference shows it (notes-edges §4.1): the
+            // pools' samples, taken at the same instants, added bucket by bucket.
+            let mut per = Map::new();
+            let mut buckets = [None::<u64>; latency::CLUSTER_AVG_SAMPLES as usize];
+            let mut realtime_sum = 0;
+            for p in &r.pools {
+                let (avg, samples) = latency::cluster_avg(p, seg, now_s);
+                let realtime = latency::pool_inflight(p, seg);
+                realtime_sum += realtime;
+                for (b, v) in buckets
+                    .iter_mut()
+                    .zip(latency::cluster_samples(p, seg, now_s))
+                {
+                    if let Some(v) = v {
+                        *b = Some(b.unwrap_or(0) + v);
+                    }
+                }
+                per.insert(
+                    pool_key(p),
+                    json!({"realtime_sum": realtime, "avg_5min": avg, "samples": samples}),
+                );
+            }
+            let set: Map<String, Value> = buckets
                 .iter()
-                .map(|p| {
-                    let (avg, samples) = latency::cluster_avg(p, seg, now_s);
-                    let realtime = latency::pool_inflight(p, seg);
-                    (
-                        pool_key(p),
-                        json!({"realtime_sum": realtime, "avg_5min": avg, "samples": samples}),
-                    )
-                })
+                .enumerate()
+                .filter_map(|(i, b)| b.map(|v| (i.to_string(), json!(v))))
                 .collect();
+            let samples = set.len() as u64;
+            let sum: u64 = buckets.iter().flatten().sum();
+            let avg = if samples > 0 {
+                sum as f64 / samples as f64
+            } else {
+                0.0
+            };
+            let cur = (now_s / latency::CLUSTER_AVG_INTERVAL_S) % latency::CLUSTER_AVG_SAMPLES;
             Some(Response::json(
                 200,
-                &json!({"route": r.name(), "interval_s": latency::CLUSTER_AVG_INTERVAL_S, "pools": per}),
+                &json!({
+                    "route": r.name(),
+                    "interval_s": latency::CLUSTER_AVG_INTERVAL_S,
+                    "realtime_sum": realtime_sum,
+                    "buckets": set,
+                    "samples": samples,
+                    "avg_5min": avg,
+                    "cur_bucket_idx": cur,
+                    "pools": per,
+                }),
             ))
         }
     }

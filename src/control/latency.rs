@@ -44,7 +44,8 @@ impl Signal {
             Signal::Tps => &opts.tps_metrics,
         }
     }
-    fn default_q(self) -> f64 {
+    /// The quantile of the single default metric (p80 for TTFT, the low tail for TPS).
+    pub fn default_q(self) -> f64 {
         match self {
             Signal::Ttft => ewma::TTFT_DEFAULT_Q,
             Signal::Tps => ewma::TPS_DEFAULT_Q,
@@ -580,17 +581,27 @@ pub fn pool_inflight(pool: &PoolRt, seg: &Segment) -> u64 {
 
 /// The cluster average: mean of the samples of the last five minutes (SPEC §5.5).
 pub fn cluster_avg(pool: &PoolRt, seg: &Segment, now_s: u64) -> (f64, u64) {
-    let now_stamp = now_s / CLUSTER_AVG_INTERVAL_S;
     let (mut sum, mut n) = (0u64, 0u64);
-    for i in 0..CLUSTER_AVG_SAMPLES as usize {
-        let stamp = ps::ctl_cell(seg, pool.slots.ctl, ctl::CLUSTER_STAMP + i).load(Relaxed);
-        let v = ps::ctl_cell(seg, pool.slots.ctl, ctl::CLUSTER_BUCKETS + i).load(Relaxed);
-        if v > 0 && now_stamp.saturating_sub(stamp) < CLUSTER_AVG_SAMPLES {
-            sum += v - 1;
-            n += 1;
-        }
+    for v in cluster_samples(pool, seg, now_s).into_iter().flatten() {
+        sum += v;
+        n += 1;
     }
     (if n > 0 { sum as f64 / n as f64 } else { 0.0 }, n)
+}
+
+/// The cluster average's ring of samples, by bucket index: the pool's in-flight sum at
+/// each of the last ten sampling instants, None where a bucket is empty or too old.
+pub fn cluster_samples(
+    pool: &PoolRt,
+    seg: &Segment,
+    now_s: u64,
+) -> [Option<u64>; CLUSTER_AVG_SAMPLES as usize] {
+    let now_stamp = now_s / CLUSTER_AVG_INTERVAL_S;
+    std::array::from_fn(|i| {
+        let stamp = ps::ctl_cell(seg, pool.slots.ctl, ctl::CLUSTER_STAMP + i).load(Relaxed);
+        let v = ps::ctl_cell(seg, pool.slots.ctl, ctl::CLUSTER_BUCKETS + i).load(Relaxed);
+        (v > 0 && now_stamp.saturating_sub(stamp) < CLUSTER_AVG_SAMPLES).then(|| v - 1)
+    })
 }
 
 /// Count a gate trip while the master switch is off (never added to the real 429 counters).
