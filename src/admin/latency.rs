@@ -31,6 +31,7 @@ fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
     let opts = &r.cfg.opts;
     let now_s = ps::now_s();
     let cfg = latency::signal_cfg(opts, sig);
+    let first_metric = latency::metric_name(opts, sig, 0);
     let mut pools = Map::new();
     // The reference's route-level shape too (notes-edges §4.1): the first metric's EWMA per
     // pool, and per pool the resolved list with its thresholds and EWMAs.
@@ -46,7 +47,7 @@ fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
         // Every metric of the resolved list: the first with the threshold in force, the
         // later entries of a declared list with their own.
         let mut metrics = vec![json!({
-            "metric": cfg.metric,
+            "metric": first_metric,
             "ewma": e,
             "threshold": thr.map(|t| t.0),
         })];
@@ -92,7 +93,7 @@ fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
         };
         lists.push(json!({"model": pool_key(p), "source": source, "items": items}));
         let mut v = json!({
-            "metric": cfg.metric,
+            "metric": first_metric,
             "ewma": e,
             "threshold": thr.map(|t| t.0),
             "threshold_source": thr.map(|t| t.1),

@@ -72,11 +72,12 @@ impl Signal {
     }
 }
 
-/// A signal's settings for a route: window, TTL, α, statistic and probe allowance.
+/// A signal's settings for a route: window, TTL, α, the first metric's statistic and the
+/// probe allowance (its name is [`metric_name`]'s, made only where it is shown: this is
+/// read on the request path).
 pub struct SignalCfg {
     pub ewma: EwmaCfg,
     pub stat: Stat,
-    pub metric: String,
     pub probe_window_s: u64,
     pub probe_per_window: u32,
 }
@@ -102,12 +103,9 @@ pub fn signal_cfg(opts: &RouteOpts, sig: Signal) -> SignalCfg {
             ewma::TPS_DEFAULT_Q,
         ),
     };
-    let (stat, metric) = match metrics.first() {
-        Some(m) => (metric_stat(m, default_q), m.metric.clone()),
-        None => (
-            Stat::Quantile(default_q),
-            format!("p{}", (default_q * 100.0).round()),
-        ),
+    let stat = match metrics.first() {
+        Some(m) => metric_stat(m, default_q),
+        None => Stat::Quantile(default_q),
     };
     SignalCfg {
         ewma: EwmaCfg {
@@ -116,7 +114,6 @@ pub fn signal_cfg(opts: &RouteOpts, sig: Signal) -> SignalCfg {
             alpha,
         },
         stat,
-        metric,
         probe_window_s: pw,
         probe_per_window: ppw,
     }
@@ -149,7 +146,7 @@ pub fn metric_tag(opts: &RouteOpts, sig: Signal, i: usize) -> u64 {
 pub fn metric_name(opts: &RouteOpts, sig: Signal, i: usize) -> String {
     match sig.metrics(opts).get(i) {
         Some(m) => m.metric.clone(),
-        None => signal_cfg(opts, sig).metric,
+        None => format!("p{}", (sig.default_q() * 100.0).round()),
     }
 }
 
