@@ -522,9 +522,13 @@ pub fn tick(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) {
         ps::store_window_state(seg, slot, tag0, next);
     }
     let c = |i| ps::ctl_cell(seg, pool.slots.ctl, i);
-    if adaptive_in_force(opts, pool, seg)
-        && now_s >= c(ctl::AIMD_TICK_S).load(Relaxed) + opts.adaptive_cc_interval.max(1)
-    {
+    let in_force = adaptive_in_force(opts, pool, seg);
+    if !in_force {
+        // Unmet demand is counted for the adaptive limit; while that is not in force
+        // (switched off at run time, say) the 429s are not demand it should grow by later.
+        c(ctl::REJ).store(0, Relaxed);
+    }
+    if in_force && now_s >= c(ctl::AIMD_TICK_S).load(Relaxed) + opts.adaptive_cc_interval.max(1) {
         c(ctl::AIMD_TICK_S).store(now_s, Relaxed);
         let p = aimd_params(opts);
         // Each signal's list as one (EWMA, threshold): the metric furthest into its
@@ -770,6 +774,26 @@ mod tests {
         let j = judge(&swapped, Signal::Ttft, &pool, seg, t0 + 2);
         assert_eq!(j.first_ewma, Some(990.0), "the average: {j:?}");
         assert_eq!(j.first_hit, None, "{j:?}");
+    }
+
+    /// The concurrency 429s counted as unmet demand are dropped while adaptive concurrency
+    /// is not in force, so that switching it back on does not grow the limit by them; the
+    /// control: in force, a tick that writes nothing (no decode-rate EWMA yet) keeps them.
+    #[test]
+    fn unmet_demand_is_not_carried_over_while_adaptive_concurrency_is_off() {
+        let (tmp, pool, mut opts) = fixture("unmet");
+        let seg = &tmp.seg;
+        opts.adaptive_cc = true;
+        opts.tps_limit_tps = Some(20.0);
+        let rej = ps::ctl_cell(seg, pool.slots.ctl, ctl::REJ);
+        let t0 = 1_800_000_000;
+        rej.store(5, Relaxed);
+        tick(&opts, &pool, seg, t0);
+        assert_eq!(rej.load(Relaxed), 5, "in force: kept for the next step");
+        ps::set_gate_off(seg, pool.slots.tps, true);
+        assert!(!adaptive_in_force(&opts, &pool, seg));
+        tick(&opts, &pool, seg, t0 + 1);
+        assert_eq!(rej.load(Relaxed), 0);
     }
 
     /// The decode rate's list sheds when any metric is at or under its threshold, and the
