@@ -229,6 +229,18 @@ fn routes_without_a_threshold_never_shed_on_latency() {
     let st = request(env.public(), &get("/r/_ttft_status")).json();
     assert!(st["pools"]["_"]["ewma"].as_f64().unwrap() >= 250.0, "{st}");
     assert_eq!(st["pools"]["_"]["active"], false);
+    // In the reference's shape: the default metric, no threshold, a static source; a
+    // runtime override is named as one.
+    let list = &st["metrics"][0];
+    assert_eq!(list["source"], "static", "{st}");
+    assert_eq!(list["items"][0]["metric"], "p80", "{st}");
+    assert_eq!(list["items"][0]["q"], 0.8, "{st}");
+    assert!(list["items"][0].get("threshold_ms").is_none(), "{st}");
+    assert!(st.get("ttft_limit_ms").is_none(), "{st}");
+    request(env.public(), &get("/r/_ttft_limit?ms=900"));
+    let st = request(env.public(), &get("/r/_ttft_status")).json();
+    assert_eq!(st["metrics"][0]["source"], "override", "{st}");
+    assert_eq!(st["metrics"][0]["items"][0]["threshold_ms"], 900.0, "{st}");
 }
 
 #[test]
@@ -581,6 +593,51 @@ fn route_state_shows_the_adaptive_limit_in_force_and_the_static_one() {
     }
 }
 
+/// Only a 429 under the adaptive limit is unmet demand for it: one under the static limit
+/// (adaptive concurrency switched off at run time) is not counted, so switching it back on
+/// does not grow the limit by it. The control: a 429 under the adaptive limit is counted.
+#[test]
+fn only_the_adaptive_limits_429s_count_as_its_unmet_demand() {
+    let m = mock("m0");
+    let route = format!(
+        "peers = [ {{ host = \"127.0.0.1\", port = {}, max_concurrency = 2 }} ]\n\
+         adaptive_cc = true\nadaptive_cc_init = 1\nadaptive_cc_interval = 600\ntps_limit_tps = 5\n",
+        m.addr().port()
+    );
+    let env = start(&[("r", route)], "");
+    let rej = || {
+        request(env.public(), &get("/r/_tps_status")).json()["pools"]["_"]["adaptive_cc_rej"]
+            .as_u64()
+            .unwrap()
+    };
+    let refused = || {
+        let r = request(
+            env.public(),
+            &post_json("/r/v1/chat/completions", &chat_body("x", false), ""),
+        );
+        assert_eq!(r.status, 429, "{}", r.text());
+        r
+    };
+    // The adaptive limit (1): one held, the next refused and counted.
+    let held = hold(&env, 1, 1500);
+    let r = refused();
+    assert_eq!(r.json()["error"]["adaptive_cc"], 1, "{}", r.text());
+    assert_eq!(rej(), 1);
+    for h in held {
+        assert_eq!(h.join().unwrap().status, 200);
+    }
+    // The static limit (2): the count is dropped while it applies, and its 429 is not one.
+    request(env.public(), &get("/r/_tps_toggle?on=0"));
+    eventually(Duration::from_secs(5), "the count dropped", || rej() == 0);
+    let held = hold(&env, 2, 1500);
+    let r = refused();
+    assert!(r.json()["error"]["adaptive_cc"].is_null(), "{}", r.text());
+    assert_eq!(rej(), 0);
+    for h in held {
+        assert_eq!(h.join().unwrap().status, 200);
+    }
+}
+
 #[test]
 fn rate_limit_status_names_the_layer_that_set_the_switch() {
     let m = mock("m0");
@@ -678,6 +735,51 @@ fn a_concurrency_429_carries_the_five_minute_cluster_average() {
     assert_eq!(e["type"], "concurrency_limit_exceeded");
     assert!(e["avg_5min"].is_number(), "{e}");
     assert_eq!(e["avg_5min"], avg(), "{e}");
+    for h in held {
+        assert_eq!(h.join().unwrap().status, 200);
+    }
+}
+
+/// `_cluster_avg` route-wide adds up a `peers_by_model` route's pools: one request held in
+/// each of two pools is two in flight for the route and one for each pool, and the
+/// route's five-minute average is the pools' added (their samples are taken together).
+#[test]
+fn the_route_wide_cluster_average_adds_the_pools_up() {
+    let (a, b) = (mock("a"), mock("b"));
+    let route = format!(
+        "[peers_by_model]\n\"llama\" = [ {{ host = \"127.0.0.1\", port = {} }} ]\n\"qwen\" = [ {{ host = \"127.0.0.1\", port = {} }} ]\n",
+        a.addr().port(),
+        b.addr().port()
+    );
+    let env = start(&[("bm", route)], "");
+    let addr = env.public();
+    let held: Vec<_> = ["llama", "qwen"]
+        .into_iter()
+        .map(|model| {
+            std::thread::spawn(move || {
+                let body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}]});
+                request(
+                    addr,
+                    &post_json(
+                        "/bm/v1/chat/completions",
+                        &body.to_string(),
+                        "x-mock-ttft-ms: 1500\r\n",
+                    ),
+                )
+            })
+        })
+        .collect();
+    let avg = || request(env.public(), &get("/bm/_cluster_avg")).json();
+    eventually(Duration::from_secs(5), "both held", || {
+        avg()["realtime_sum"] == 2
+    });
+    let c = avg();
+    assert_eq!(c["pools"]["llama"]["realtime_sum"], 1, "{c}");
+    assert_eq!(c["pools"]["qwen"]["realtime_sum"], 1, "{c}");
+    let pools_avg = c["pools"]["llama"]["avg_5min"].as_f64().unwrap()
+        + c["pools"]["qwen"]["avg_5min"].as_f64().unwrap();
+    assert_eq!(c["avg_5min"].as_f64().unwrap(), pools_avg, "{c}");
+    assert_eq!(c["samples"], c["pools"]["llama"]["samples"], "{c}");
     for h in held {
         assert_eq!(h.join().unwrap().status, 200);
     }

@@ -86,9 +86,12 @@ fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
                 Value::Object(item)
             })
             .collect();
+        // Where the first metric's threshold comes from: a declared list's first entry
+        // without one takes the override or the static limit (`latency::threshold`).
         let source = match thr.map(|t| t.1) {
-            _ if !declared.is_empty() => "declared",
+            Some(ewma::SRC_METRICS) => "declared",
             Some(ewma::SRC_OVERRIDE) => "override",
+            None if !declared.is_empty() => "declared",
             _ => "static",
         };
         lists.push(json!({"model": pool_key(p), "source": source, "items": items}));

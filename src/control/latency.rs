@@ -524,8 +524,9 @@ pub fn tick(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) {
     let c = |i| ps::ctl_cell(seg, pool.slots.ctl, i);
     let in_force = adaptive_in_force(opts, pool, seg);
     if !in_force {
-        // Unmet demand is counted for the adaptive limit; while that is not in force
-        // (switched off at run time, say) the 429s are not demand it should grow by later.
+        // Unmet demand is counted only under the adaptive limit; what was counted before
+        // it went out of force (switched off at run time, say) is not demand it should
+        // grow by when it is back.
         c(ctl::REJ).store(0, Relaxed);
     }
     if in_force && now_s >= c(ctl::AIMD_TICK_S).load(Relaxed) + opts.adaptive_cc_interval.max(1) {

@@ -681,8 +681,11 @@ async fn proxy(
         if conc_shed {
             if rate_on {
                 rcell(cells::route::REJECT_CONCURRENCY).fetch_add(1, Relaxed);
-                // Unmet demand, for the adaptive limit.
-                ctl_cell(control::pool_state::ctl::REJ).fetch_add(1, Relaxed);
+                let in_force = latency::adaptive_in_force(opts, pool, seg);
+                if in_force {
+                    // Unmet demand, for the adaptive limit (not the static one's 429s).
+                    ctl_cell(control::pool_state::ctl::REJ).fetch_add(1, Relaxed);
+                }
                 fig.avg_5min = latency::cluster_avg(pool, seg, now_s).0;
                 // The graded gate's own figures: a turn-1 refusal below `limit` says why.
                 let graded = prio.as_ref().map(|(_, table, b)| {
@@ -690,7 +693,7 @@ async fn proxy(
                     let ceiling = control::session_prio::ceiling(fig.limit, fig.rt_factor, share);
                     Box::new((*b, table[*b].min_turn, share, ceiling))
                 });
-                let adaptive = latency::adaptive_in_force(opts, pool, seg).then_some(pool_limit);
+                let adaptive = in_force.then_some(pool_limit);
                 shed = Some(ProxyError::ConcurrencyLimit(fig, graded, adaptive));
             } else {
                 latency::count_trip(seg, pool, "concurrency");
