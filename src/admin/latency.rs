@@ -26,6 +26,14 @@ fn pools_for<'a>(r: &'a RouteRt, model: Option<&str>) -> Vec<&'a PoolRt> {
         .collect()
 }
 
+/// One metric of a pool's resolved list, as the status endpoints show it.
+struct Shown {
+    name: String,
+    q: Option<f64>,
+    ewma: Option<f64>,
+    threshold: Option<f64>,
+}
+
 fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
     let seg = &ctx.shared.seg;
     let opts = &r.cfg.opts;
@@ -44,43 +52,46 @@ fn signal_status(ctx: &WorkerCtx, r: &RouteRt, sig: Signal) -> Value {
         let e = latency::current_ewma(opts, sig, p, seg, now_s);
         let judged = latency::judge(opts, sig, p, seg, now_s);
         let hit = judged.first_hit.is_some();
-        // Every metric of the resolved list: the first with the threshold in force, the
-        // later entries of a declared list with their own.
-        let mut metrics = vec![json!({
-            "metric": first_metric,
-            "ewma": e,
-            "threshold": thr.map(|t| t.0),
-        })];
-        for (i, m) in sig.metrics(opts).iter().enumerate().skip(1) {
-            let ttl = cfg.ewma.ttl_s;
-            let tag = latency::metric_tag(opts, sig, i);
-            metrics.push(json!({
-                "metric": m.metric,
-                "ewma": ps::metric_ewma(seg, slot, i, tag, now_s, ttl),
-                "threshold": m.threshold,
-            }));
-        }
         if let Some(e) = e {
             ewma_by_pool.insert(pool_key(p), json!(e));
         }
+        // Every metric of the resolved list (name, q, EWMA, threshold): the first with the
+        // threshold in force, the later entries of a declared list with their own.
         let declared = sig.metrics(opts);
-        let items: Vec<Value> = metrics
+        let ttl = cfg.ewma.ttl_s;
+        let resolved: Vec<Shown> = std::iter::once(Shown {
+            name: first_metric.clone(),
+            q: declared.first().map_or(Some(sig.default_q()), |d| d.q),
+            ewma: e,
+            threshold: thr.map(|t| t.0),
+        })
+        .chain(declared.iter().enumerate().skip(1).map(|(i, m)| {
+            let tag = latency::metric_tag(opts, sig, i);
+            Shown {
+                name: m.metric.clone(),
+                q: m.q,
+                ewma: ps::metric_ewma(seg, slot, i, tag, now_s, ttl),
+                threshold: m.threshold,
+            }
+        }))
+        .collect();
+        let metrics: Vec<Value> = resolved
             .iter()
-            .enumerate()
-            .map(|(i, m)| {
-                let q = match declared.get(i) {
-                    Some(d) => d.q,
-                    None => Some(sig.default_q()),
-                };
+            .map(|m| json!({"metric": m.name, "ewma": m.ewma, "threshold": m.threshold}))
+            .collect();
+        // The reference's items leave absent values out.
+        let items: Vec<Value> = resolved
+            .iter()
+            .map(|m| {
                 let mut item = Map::new();
-                item.insert("metric".into(), m["metric"].clone());
+                item.insert("metric".into(), json!(m.name));
                 for (k, v) in [
-                    ("q", json!(q)),
-                    (&*format!("threshold_{unit}"), m["threshold"].clone()),
-                    (&*format!("ewma_{unit}"), m["ewma"].clone()),
+                    ("q".to_string(), m.q),
+                    (format!("threshold_{unit}"), m.threshold),
+                    (format!("ewma_{unit}"), m.ewma),
                 ] {
-                    if !v.is_null() {
-                        item.insert(k.into(), v);
+                    if let Some(v) = v {
+                        item.insert(k, json!(v));
                     }
                 }
                 Value::Object(item)

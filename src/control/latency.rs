@@ -72,40 +72,31 @@ impl Signal {
     }
 }
 
-/// A signal's settings for a route: window, TTL, α, the first metric's statistic and the
-/// probe allowance (its name is [`metric_name`]'s, made only where it is shown: this is
-/// read on the request path).
+/// A signal's settings for a route: window, TTL, α and the probe allowance (the metrics'
+/// statistics are [`metric_stat`]'s, their names [`metric_name`]'s: this is read on the
+/// request path).
 pub struct SignalCfg {
     pub ewma: EwmaCfg,
-    pub stat: Stat,
     pub probe_window_s: u64,
     pub probe_per_window: u32,
 }
 
 pub fn signal_cfg(opts: &RouteOpts, sig: Signal) -> SignalCfg {
-    let (metrics, window_s, ttl_s, alpha, pw, ppw, default_q) = match sig {
+    let (window_s, ttl_s, alpha, pw, ppw) = match sig {
         Signal::Ttft => (
-            &opts.ttft_metrics,
             opts.ttft_window,
             opts.ttft_ttl,
             opts.ttft_ewma_alpha,
             opts.ttft_probe_window,
             opts.ttft_probe_per_window,
-            ewma::TTFT_DEFAULT_Q,
         ),
         Signal::Tps => (
-            &opts.tps_metrics,
             opts.tps_window,
             opts.tps_ttl,
             opts.tps_ewma_alpha,
             opts.tps_probe_window,
             opts.tps_probe_per_window,
-            ewma::TPS_DEFAULT_Q,
         ),
-    };
-    let stat = match metrics.first() {
-        Some(m) => metric_stat(m, default_q),
-        None => Stat::Quantile(default_q),
     };
     SignalCfg {
         ewma: EwmaCfg {
@@ -113,29 +104,25 @@ pub fn signal_cfg(opts: &RouteOpts, sig: Signal) -> SignalCfg {
             ttl_s,
             alpha,
         },
-        stat,
         probe_window_s: pw,
         probe_per_window: ppw,
     }
 }
 
-/// The statistic a declared metric takes of each window.
-fn metric_stat(m: &MetricSpec, default_q: f64) -> Stat {
-    if m.metric == "avg" {
-        Stat::Avg
-    } else {
-        Stat::Quantile(m.q.unwrap_or(default_q))
+/// The statistic metric `i` of the resolved list takes of each window: a declared
+/// entry's, or the single default metric's when the route declares none.
+fn metric_stat(opts: &RouteOpts, sig: Signal, i: usize) -> Stat {
+    match sig.metrics(opts).get(i) {
+        Some(m) if m.metric == "avg" => Stat::Avg,
+        Some(m) => Stat::Quantile(m.q.unwrap_or(sig.default_q())),
+        None => Stat::Quantile(sig.default_q()),
     }
 }
 
 /// The tag of metric `i` of the resolved list in the segment ([`ps::win::EXTRA`],
 /// [`ps::win::FIRST_TAG`]): its statistic, which is what its EWMA means; never 0.
 pub fn metric_tag(opts: &RouteOpts, sig: Signal, i: usize) -> u64 {
-    let stat = match sig.metrics(opts).get(i) {
-        Some(m) => metric_stat(m, sig.default_q()),
-        None => Stat::Quantile(sig.default_q()),
-    };
-    match stat {
+    match metric_stat(opts, sig, i) {
         Stat::Avg => u64::MAX,
         Stat::Quantile(q) => q.to_bits().max(1),
     }
@@ -495,31 +482,21 @@ pub fn tick(opts: &RouteOpts, pool: &PoolRt, seg: &Segment, now_s: u64) {
     for sig in [Signal::Ttft, Signal::Tps] {
         let slot = sig.slot(pool);
         let cfg = signal_cfg(opts, sig);
-        let tag0 = metric_tag(opts, sig, 0);
-        let st = ps::window_state(seg, slot, tag0);
         let cur = cfg.ewma.window_id(now_s);
-        if st.win == cur {
+        if ps::window_state(seg, slot, 0, metric_tag(opts, sig, 0)).win == cur {
             continue;
         }
         let (counts, sum, n) = ps::take_bank(seg, slot, cur.saturating_sub(1));
-        // A declared list's later entries take their own statistic of the same window,
-        // folded as of the same last window (before the first entry's state moves on).
-        for (i, m) in sig.metrics(opts).iter().enumerate().skip(1) {
+        // Every metric of the list takes its own statistic of the same window, folded as
+        // of the same last window: the first last, as its store moves the window id on.
+        for i in (0..sig.metrics(opts).len().max(1)).rev() {
             let tag = metric_tag(opts, sig, i);
-            let v = ewma::window_stat(
-                metric_stat(m, sig.default_q()),
-                sig.bounds(),
-                &counts,
-                sum,
-                n,
-            );
-            let prev = ps::extra_window_state(seg, slot, i, tag, st.win);
+            let stat = metric_stat(opts, sig, i);
+            let v = ewma::window_stat(stat, sig.bounds(), &counts, sum, n);
+            let prev = ps::window_state(seg, slot, i, tag);
             let next = ewma::advance_merged(prev, &cfg.ewma, now_s, v);
-            ps::store_extra_window_state(seg, slot, i, tag, next);
+            ps::store_window_state(seg, slot, i, tag, next);
         }
-        let v = ewma::window_stat(cfg.stat, sig.bounds(), &counts, sum, n);
-        let next = ewma::advance_merged(st, &cfg.ewma, now_s, v);
-        ps::store_window_state(seg, slot, tag0, next);
     }
     let c = |i| ps::ctl_cell(seg, pool.slots.ctl, i);
     let in_force = adaptive_in_force(opts, pool, seg);

@@ -309,38 +309,21 @@ pub fn ctl_cell(seg: &Segment, ctl_slot: RouteSlot, i: usize) -> &AtomicU64 {
     cell(seg, ctl_slot, i)
 }
 
-/// The window state the folder keeps in a window slot, for the first metric of `tag`
-/// (an EWMA folded for another counts as none; the window id is the slot's own).
-pub fn window_state(seg: &Segment, slot: RouteSlot, tag: u64) -> super::ewma::WindowState {
-    let t = cell(seg, slot, win::FIRST_TAG).load(Relaxed);
-    let mine = t == 0 || t == tag;
-    super::ewma::WindowState {
-        win: cell(seg, slot, win::FOLDED_WIN).load(Relaxed),
-        ewma_bits: if mine {
-            cell(seg, slot, win::EWMA_BITS).load(Relaxed)
-        } else {
-            0
-        },
-        last_fold_s: if mine {
-            cell(seg, slot, win::EWMA_AT_S).load(Relaxed)
-        } else {
-            0
-        },
+/// The cells `[bits, at_s, tag]` of metric `i`'s EWMA: the first entry's, or a later
+/// entry's (see [`win::EXTRA`]).
+fn metric_cells(i: usize) -> [usize; 3] {
+    if i == 0 {
+        return [win::EWMA_BITS, win::EWMA_AT_S, win::FIRST_TAG];
     }
-}
-
-/// Store it under `tag`: the value before the time that makes it live.
-pub fn store_window_state(seg: &Segment, slot: RouteSlot, tag: u64, st: super::ewma::WindowState) {
-    cell(seg, slot, win::EWMA_BITS).store(st.ewma_bits, Relaxed);
-    cell(seg, slot, win::EWMA_AT_S).store(st.last_fold_s, Relaxed);
-    cell(seg, slot, win::FIRST_TAG).store(tag, Relaxed);
-    cell(seg, slot, win::FOLDED_WIN).store(st.win, Relaxed);
-}
-
-/// The cells `[bits, at_s, tag]` of metric `i ≥ 1`'s EWMA (see [`win::EXTRA`]).
-fn extra_cells(i: usize) -> [usize; 3] {
     let base = win::EXTRA + (i - 1) * win::EXTRA_CELLS;
     [base, base + 1, base + 2]
+}
+
+/// Whether the EWMA stored for metric `i` was folded for `tag`'s statistic (the first
+/// entry's untagged 0 included, see [`win::FIRST_TAG`]).
+fn folded_for(seg: &Segment, slot: RouteSlot, i: usize, tag: u64) -> bool {
+    let stored = cell(seg, slot, metric_cells(i)[2]).load(Relaxed);
+    stored == tag || (i == 0 && stored == 0)
 }
 
 /// The live EWMA of metric `i` of the resolved list, or None when there is none, it
@@ -353,58 +336,54 @@ pub fn metric_ewma(
     now_s: u64,
     ttl_s: u64,
 ) -> Option<f64> {
-    let [bits, at, t] = if i == 0 {
-        [win::EWMA_BITS, win::EWMA_AT_S, win::FIRST_TAG]
-    } else {
-        extra_cells(i)
-    };
-    let stored = cell(seg, slot, t).load(Relaxed);
-    if stored != tag && !(i == 0 && stored == 0) {
+    if !folded_for(seg, slot, i, tag) {
         return None;
     }
+    let [bits, at, _] = metric_cells(i);
     let at = cell(seg, slot, at).load(Relaxed);
     (at != 0 && now_s.saturating_sub(at) <= ttl_s)
         .then(|| f64::from_bits(cell(seg, slot, bits).load(Relaxed)))
 }
 
-/// The folder's state of metric `i ≥ 1`'s EWMA, as of the slot's last folded window
-/// `win`; an EWMA tagged for another metric counts as none.
-pub fn extra_window_state(
+/// The folder's state of metric `i`'s EWMA, as of the slot's last folded window; an EWMA
+/// folded for another statistic than `tag`'s counts as none.
+pub fn window_state(
     seg: &Segment,
     slot: RouteSlot,
     i: usize,
     tag: u64,
-    win: u64,
 ) -> super::ewma::WindowState {
-    let [bits, at, t] = extra_cells(i);
-    let mine = cell(seg, slot, t).load(Relaxed) == tag;
+    let win = cell(seg, slot, win::FOLDED_WIN).load(Relaxed);
+    if !folded_for(seg, slot, i, tag) {
+        return super::ewma::WindowState {
+            win,
+            ..Default::default()
+        };
+    }
+    let [bits, at, _] = metric_cells(i);
     super::ewma::WindowState {
         win,
-        ewma_bits: if mine {
-            cell(seg, slot, bits).load(Relaxed)
-        } else {
-            0
-        },
-        last_fold_s: if mine {
-            cell(seg, slot, at).load(Relaxed)
-        } else {
-            0
-        },
+        ewma_bits: cell(seg, slot, bits).load(Relaxed),
+        last_fold_s: cell(seg, slot, at).load(Relaxed),
     }
 }
 
-/// Store metric `i ≥ 1`'s folded EWMA under its tag (the window id stays the slot's own).
-pub fn store_extra_window_state(
+/// Store metric `i`'s folded state under `tag`: the value before the time that makes it
+/// live. The first entry's also moves the slot's window id on, so it is stored last.
+pub fn store_window_state(
     seg: &Segment,
     slot: RouteSlot,
     i: usize,
     tag: u64,
     st: super::ewma::WindowState,
 ) {
-    let [bits, at, t] = extra_cells(i);
+    let [bits, at, t] = metric_cells(i);
     cell(seg, slot, bits).store(st.ewma_bits, Relaxed);
     cell(seg, slot, at).store(st.last_fold_s, Relaxed);
     cell(seg, slot, t).store(tag, Relaxed);
+    if i == 0 {
+        cell(seg, slot, win::FOLDED_WIN).store(st.win, Relaxed);
+    }
 }
 
 /// Seconds since the epoch.
