@@ -169,9 +169,15 @@ def render_md(args, data):
         f"(VmRSS at the window's end − VmRSS idle before the first connect) / streams open (fresh "
         f"processes per run); the last column shows it at the window's start → end, as streams "
         f"receive more events.")
+    if read(os.path.join(args.work, "warmroute_procs")).strip() == "2":
+        wr = ("two processes, `serve --workers 1` and `serve --workers 1 --join` on the same port "
+              "and segment (each pinned by its segment row: cores 0 and 1; each with its own fd "
+              "limit, as nginx's two worker processes have), one route to the mock")
+    else:
+        wr = ("`serve --workers 2` (pins its workers to cores 0 and 1, as run in production), one "
+              "route to the mock")
     add("- **Parties**, one at a time, each with a fresh mock: *direct* (driver → mock); *warmroute* "
-        "`serve --workers 2` (pins its workers to cores 0 and 1, as run in production), one route to "
-        "the mock; *nginx* `worker_processes 2; worker_cpu_affinity auto; worker_connections 32768` "
+        + wr + "; *nginx* `worker_processes 2; worker_cpu_affinity auto; worker_connections 32768` "
         "(`proxy_buffering off`, `hash $http_x_session_id consistent`, upstream keepalive 64; "
         "`bench/run`'s other scenarios use 8192 connections per worker, which would cap 2 workers "
         "at ~8k streams). fd limit "
@@ -181,7 +187,8 @@ def render_md(args, data):
         pairs = ", ".join(" → ".join(l.split()) for l in reduced.splitlines())
         add(f"- **Streams reduced** ({pairs}): the fd limit here is {args.nofile} per process and "
             f"cannot be raised (the container lacks CAP_SYS_RESOURCE); a proxy process holds 2 fds "
-            f"per stream, so every party ran the largest N in hundreds that fits.")
+            f"per stream and the driver and the mock one each, so every party ran the largest N in "
+            f"hundreds that fits.")
     add("")
     add("| streams | party | completed | failed | open in window (min) | events/s in window | **gap extra in window** p50 / p99 / p999 / max (ms) | gap extra p99, whole run (ms) | batched in window / whole run | TTFE p50 / p99 (ms) | **proxy CPU s / M events** | proxy CPU % of a core | mock CPU s / M events | driver CPU s / M events | cores busy | proxy RSS idle → open (MiB) | **proxy RSS / open stream** |")
     add("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")

@@ -47,6 +47,9 @@ OPTIONS (serve):
     --admin-listen ADDR    admin address (overrides the server file)
     --shm PATH             shared segment path (overrides the server file)
     --takeover             share the ports with a running warmroute that this one replaces
+    --join                 serve alongside the warmroute(s) running on the same ports and
+                           segment: one pool of counts, limits and bans, each process with
+                           its own open-file limit (started alone, it starts as usual)
     --no-pin               do not pin workers to cores
     --access-log TARGET    stderr (default), off, or a file path
     --log-format FORMAT    text (default) or json
@@ -92,6 +95,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "--shm" => a.overrides.shm_path = Some(PathBuf::from(val("--shm")?)),
             "--takeover" => a.overrides.takeover = true,
+            "--join" => a.overrides.join = true,
             "--no-pin" => a.overrides.no_pin = true,
             "--access-log" => {
                 a.overrides.access_log = Some(match val("--access-log")?.as_str() {
@@ -115,6 +119,13 @@ fn parse_args() -> Result<Args, String> {
             }
             other => return Err(format!("unknown argument {other:?}")),
         }
+    }
+    if a.overrides.takeover && a.overrides.join {
+        return Err(
+            "--takeover and --join exclude each other: a takeover retires the \
+                    routers on the ports, a join serves alongside them"
+                .to_string(),
+        );
     }
     Ok(a)
 }

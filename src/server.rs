@@ -50,6 +50,8 @@ pub struct Overrides {
     pub admin_listen: Option<SocketAddr>,
     pub shm_path: Option<PathBuf>,
     pub takeover: bool,
+    /// `--join`: serve alongside the routers already on the ports and segment.
+    pub join: bool,
     pub no_pin: bool,
     pub access_log: Option<AccessLogTarget>,
 }
@@ -189,23 +191,30 @@ fn reclaim_dead_rows(seg: &Segment) {
     }
 }
 
-/// `--takeover` shares the ports with whoever serves them, and retires the routers whose
-/// rows are in the segment. A port served while the segment has no other live router is
-/// served by something else (a router with another `shm_path`, or another program): the
-/// two would split the connections for good, each with its own counts and limits.
-fn refuse_takeover_of_a_stranger(
+/// `--takeover` and `--join` share the ports with whoever serves them: the routers whose
+/// rows are in the segment (which a takeover then retires and a join serves alongside). A
+/// port served while the segment has no other live router is served by something else (a
+/// router with another `shm_path`, or another program): the two would split the
+/// connections for good, each with its own counts and limits.
+fn refuse_sharing_with_a_stranger(
     seg: &Segment,
     shm_path: &std::path::Path,
     public: std::net::SocketAddr,
+    join: bool,
 ) -> io::Result<()> {
     if !other_live_pids(seg).is_empty() || !crate::worker::port_served(public) {
         return Ok(());
     }
+    let (flag, what) = if join {
+        ("--join", "a join")
+    } else {
+        ("--takeover", "a takeover")
+    };
     Err(io::Error::new(
         io::ErrorKind::AddrInUse,
         format!(
-            "--takeover: {public} is served by a process that does not use the shared segment \
-             {} (a router with another shm_path, or another program); a takeover shares the \
+            "{flag}: {public} is served by a process that does not use the shared segment \
+             {} (a router with another shm_path, or another program); {what} shares the \
              running router's segment: give this one the same shm_path",
             shm_path.display()
         ),
@@ -360,8 +369,8 @@ impl Router {
             }
             StartError::Io(e)
         };
-        if overrides.takeover {
-            refuse_takeover_of_a_stranger(&seg, &server.shm_path, server.listen)
+        if overrides.takeover || overrides.join {
+            refuse_sharing_with_a_stranger(&seg, &server.shm_path, server.listen, overrides.join)
                 .map_err(discard)?;
         }
         let keys = Arc::new(load_keys(&config, None));
@@ -373,7 +382,7 @@ impl Router {
             workers,
             public: server.listen,
             admin: server.admin_listen,
-            takeover: overrides.takeover,
+            share_ports: overrides.takeover || overrides.join,
             pin: !overrides.no_pin,
             access_log: overrides
                 .access_log

@@ -2797,3 +2797,181 @@ fn heads_declaring_large_bodies_do_not_reserve_them() {
     assert_eq!((body[0], body[DECLARED - 1]), (b'{', b'}'));
     assert!(body[1..DECLARED - 1].iter().all(|&c| c == b' '));
 }
+
+/// The worker thread `warmroute-w0` of process `pid`: the CPUs it may run on
+/// (`Cpus_allowed_list`).
+fn worker0_cpus(pid: u32) -> String {
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+    {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if comm.trim() == "warmroute-w0" {
+            let status = std::fs::read_to_string(t.path().join("status")).unwrap();
+            return status
+                .lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                .unwrap()
+                .trim()
+                .to_string();
+        }
+    }
+    panic!("no warmroute-w0 thread in {pid}");
+}
+
+/// `--join`: a second router serves the same port alongside the first, on one segment, so
+/// one peer limit holds across both processes; a drain of one leaves the other serving; a
+/// join pins its worker by its segment row, so two one-worker routers use two cores.
+#[test]
+fn a_joined_router_serves_alongside_the_first_with_one_pool_of_limits() {
+    let d = temp_dir("join");
+    let m = mock("m0");
+    std::fs::write(
+        d.0.join("routes/a.toml"),
+        format!(
+            "peers = [ {{ host = \"127.0.0.1\", port = {}, name = \"p0\", max_concurrency = 1 }} ]\n",
+            m.addr().port()
+        ),
+    )
+    .unwrap();
+    // Pinned (no --no-pin), one worker each, an access log each: who served what.
+    let log_a = d.0.join("access-a.log");
+    let log_b = d.0.join("access-b.log");
+    let spawn = |cfg: &Path, log: &Path, extra: &[&str]| {
+        let n = std::fs::read_dir(d.0.clone())
+            .map(|d| d.count())
+            .unwrap_or(0);
+        let err = std::fs::File::create(d.0.join(format!("router-{n}.log"))).unwrap();
+        Command::new(BIN)
+            .arg("serve")
+            .arg("--config")
+            .arg(cfg)
+            .args(["--workers", "1", "--access-log"])
+            .arg(log)
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(err)
+            .spawn()
+            .unwrap()
+    };
+    let mut a = start_serve_spawning(&d.0, "", |cfg| spawn(cfg, &log_a, &[]));
+    // The second process: the same server file (ports and segment), its own admin port so
+    // that its readiness is its own.
+    let admin_b: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let cfg = d.0.join("warmroute.toml");
+    let mut b = Proc {
+        child: spawn(
+            &cfg,
+            &log_b,
+            &["--join", "--admin-listen", &admin_b.to_string()],
+        ),
+        public: a.public,
+        admin: admin_b,
+        shm: a.shm.clone(),
+    };
+    assert!(wait_ready_or_exit(&mut b, &d.0), "the joined router starts");
+    // Unlike a takeover, the first router keeps serving.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        a.child.try_wait().unwrap().is_none(),
+        "the join left the first router running"
+    );
+    assert_eq!(request(a.admin, &get("/readyz")).status, 200);
+    // Both own worker rows in the one segment.
+    let text = status_text(&a.shm);
+    for pid in [a.child.id(), b.child.id()] {
+        assert!(
+            text.contains(&pid.to_string()),
+            "pid {pid} in the segment:\n{text}"
+        );
+    }
+    // Pinned by segment row: the two one-worker routers run on different cores (on a host
+    // with two cores or more in the mask; the index in the process would put both on the
+    // first).
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cores >= 2 {
+        let (ca, cb) = (worker0_cpus(a.child.id()), worker0_cpus(b.child.id()));
+        assert_ne!(ca, cb, "the joined routers' workers share a core");
+        assert!(
+            !ca.contains(['-', ',']) && !cb.contains(['-', ',']),
+            "{ca} / {cb} pinned"
+        );
+    }
+    // One in-flight count: a request held in the engine fills the peer's limit of 1, and
+    // every new connection, whichever process accepts it, is refused with a 429.
+    let mut held = connect(a.public);
+    held.write_all(&post_json(
+        "/a/v1/chat/completions",
+        &chat_body("x", false),
+        "x-mock-hang-ms: 4000\r\n",
+    ))
+    .unwrap();
+    eventually(Duration::from_secs(5), "request in the engine", || {
+        m.stats().active == 1
+    });
+    let statuses: Vec<u16> = (0..24)
+        .map(|i| {
+            request(
+                a.public,
+                &post_json(
+                    "/a/v1/chat/completions",
+                    &chat_body(&format!("s{i}"), false),
+                    "",
+                ),
+            )
+            .status
+        })
+        .collect();
+    assert!(statuses.iter().all(|&s| s == 429), "{statuses:?}");
+    let lines = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
+    eventually(
+        Duration::from_secs(3),
+        "both processes refused some",
+        || lines(&log_a).contains("\"status\":429") && lines(&log_b).contains("\"status\":429"),
+    );
+    // The control: with the held request done, the same requests pass.
+    drop(held);
+    eventually(Duration::from_secs(5), "the held request ends", || {
+        m.stats().active == 0
+    });
+    eventually(Duration::from_secs(5), "the unit is given back", || {
+        request(
+            a.public,
+            &post_json("/a/v1/chat/completions", &chat_body("c", false), ""),
+        )
+        .status
+            == 200
+    });
+    // The first drains and exits; the second serves every new connection alone.
+    a.signal("TERM");
+    let status = a
+        .wait_exit(Duration::from_secs(15))
+        .expect("the first drains and exits");
+    assert!(status.success());
+    for i in 0..20 {
+        let r = request(
+            b.public,
+            &post_json(
+                "/a/v1/chat/completions",
+                &chat_body(&format!("t{i}"), false),
+                "",
+            ),
+        );
+        assert_eq!(r.status, 200, "request {i} after the first router left");
+    }
+    assert!(b.child.try_wait().unwrap().is_none());
+}
+
+#[test]
+fn takeover_and_join_together_are_refused() {
+    let out = Command::new(BIN)
+        .args(["serve", "--takeover", "--join"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--takeover and --join exclude each other"),
+        "{err}"
+    );
+}

@@ -2,7 +2,8 @@
 #
 #   sse        SSE at scale: SSE_STREAMS (default "1000 10000") concurrent, mostly idle streaming
 #              chat completions from warmroute-mock (paced at SSE_DECODE_TPS tokens/s) through
-#              warmroute (--workers 2, pinned as in production), nginx (2 workers,
+#              warmroute (two joined processes of one worker each, pinned to the two cores;
+#              SSE_WR_PROCS=1: one process of two workers), nginx (2 worker processes,
 #              worker_cpu_affinity auto) and straight to the mock (direct), one party at a
 #              time with a fresh mock and proxy. Driver: warmroute-bench sse (bench/src/sse.rs).
 #              Per party: completed streams, extra delay per inter-event gap (p50/p99/p999),
@@ -13,8 +14,9 @@
 #              SSE_MAX_TOKENS (64; with 2 tokens/s a stream lasts ~32 s), SSE_TTFT_MS (200),
 #              SSE_RAMP_MS (5000), SSE_OPEN_TIMEOUT_MS (8000: the window starts then at the latest,
 #              even if not all streams could be opened), SSE_SETTLE_S (1), SSE_WINDOW_S (12),
-#              SSE_MOCK_WORKERS (1), SSE_NOFILE (65536; above the hard limit, which needs
-#              CAP_SYS_RESOURCE to raise, N is reduced to what fits). Quick check: SSE_STREAMS=200.
+#              SSE_MOCK_WORKERS (1), SSE_WR_PROCS (2 or 1), SSE_NOFILE (65536; above the hard
+#              limit, which needs CAP_SYS_RESOURCE to raise, N is reduced to what fits).
+#              Quick check: SSE_STREAMS=200.
 
 SSE_STREAMS=${SSE_STREAMS:-1000 10000}
 SSE_PARTIES=${SSE_PARTIES:-direct warmroute nginx}
@@ -27,6 +29,7 @@ SSE_WINDOW_S=${SSE_WINDOW_S:-12}
 SSE_OPEN_TIMEOUT_MS=${SSE_OPEN_TIMEOUT_MS:-8000}
 SSE_MOCK_WORKERS=${SSE_MOCK_WORKERS:-1}
 SSE_NOFILE=${SSE_NOFILE:-65536}
+SSE_WR_PROCS=${SSE_WR_PROCS:-2}
 
 # sse_pids_of PID — PID and its descendants (nginx: master and workers).
 sse_pids_of() {
@@ -37,9 +40,9 @@ sse_pids_of() {
   done
 }
 
-# sse_sample LABEL FILE NAME=PID... — append one JSON line: wall time, utime+stime (clock
-# ticks) and VmRSS (KiB) summed over each named process and its descendants, and the per-core
-# lines of /proc/stat.
+# sse_sample LABEL FILE NAME=PID[,PID...]... — append one JSON line: wall time, utime+stime
+# (clock ticks) and VmRSS (KiB) summed over each named process (or processes) and their
+# descendants, and the per-core lines of /proc/stat.
 sse_sample() {
   local label=$1 file=$2
   shift 2
@@ -49,7 +52,7 @@ sse_sample() {
     name=${entry%%=*}
     pid=${entry#*=}
     ticks=0 rss=0 n=0
-    for p in $(sse_pids_of "$pid"); do
+    for p in $(for q in ${pid//,/ }; do sse_pids_of "$q"; done); do
       # Fields after the ")" that ends comm: utime and stime are the 12th and 13th.
       t=$(sed 's/.*) //' "/proc/$p/stat" 2>/dev/null | awk '{print $12 + $13}') || continue
       r=$(awk '/^VmRSS:/ {print $2}' "/proc/$p/status" 2>/dev/null) || continue
@@ -58,7 +61,7 @@ sse_sample() {
       rss=$((rss + r))
       n=$((n + 1))
     done
-    procs+="${procs:+,}\"$name\":{\"pid\":$pid,\"procs\":$n,\"cpu_ticks\":$ticks,\"rss_kb\":$rss}"
+    procs+="${procs:+,}\"$name\":{\"pid\":\"$pid\",\"procs\":$n,\"cpu_ticks\":$ticks,\"rss_kb\":$rss}"
   done
   stat=$(grep '^cpu[0-9]' /proc/stat | awk '{printf "%s\"%s\"", (NR>1?",":""), $0}')
   printf '{"label":"%s","unix_ms":%s,"procs":{%s},"cpu_stat":[%s]}\n' "$label" "$now" "$procs" "$stat" >>"$file"
@@ -188,9 +191,16 @@ scenario_sse() {
   ulimit -n "$SSE_NOFILE" || die "cannot set the fd limit to $SSE_NOFILE"
   ulimit -n >"$WORK/nofile"
   log "fd limit: $(ulimit -n)"
-  # A proxy is one process per worker (warmroute: one process) holding 2 fds per stream plus
-  # ~100 of its own: above that, every party runs the largest N that fits, in hundreds.
-  local cap=$(((SSE_NOFILE - 128) / 2 / 100 * 100)) i
+  # A proxy process holds 2 fds per stream plus ~100 of its own, the mock and the driver one
+  # each. Two proxy processes (nginx's workers, warmroute's joined routers) split the streams
+  # by the kernel's SO_REUSEPORT hash, unevenly: 10% is left for that. Above that, every
+  # party runs the largest N that fits, in hundreds.
+  local procs=2
+  ((SSE_WR_PROCS == 2)) || procs=1
+  local cap=$(((SSE_NOFILE - 128) * procs / 2)) i
+  ((procs == 1)) || cap=$((cap * 9 / 10))
+  ((cap <= SSE_NOFILE - 128)) || cap=$((SSE_NOFILE - 128))
+  cap=$((cap / 100 * 100))
   for i in "${!counts[@]}"; do
     if ((counts[i] > cap)); then
       log "WARNING: $(ulimit -n) fds per process fit at most $cap streams through a proxy: running $cap instead of ${counts[i]}"
@@ -207,7 +217,11 @@ scenario_sse() {
   secs_per_stream=$(awk -v m="$SSE_MAX_TOKENS" -v t="$SSE_DECODE_TPS" -v f="$SSE_TTFT_MS" 'BEGIN {printf "%.1f", f / 1000 + (m - 1) / t}')
   {
     echo "# mock: warmroute-mock --workers $SSE_MOCK_WORKERS --decode-tps $SSE_DECODE_TPS --max-tokens $SSE_MAX_TOKENS --ttft-base-ms $SSE_TTFT_MS (unpinned)"
-    echo "# warmroute --workers 2 (pins its workers to cores 0 and 1); nginx 2 workers, worker_cpu_affinity auto; driver unpinned"
+    if ((SSE_WR_PROCS == 2)); then
+      echo "# warmroute: two processes of --workers 1, the second with --join (pinned by segment row to cores 0 and 1); nginx 2 workers, worker_cpu_affinity auto; driver unpinned"
+    else
+      echo "# warmroute --workers 2 (pins its workers to cores 0 and 1); nginx 2 workers, worker_cpu_affinity auto; driver unpinned"
+    fi
     echo "# fd limit $(ulimit -n); a stream lasts ~${secs_per_stream}s; window: ${SSE_SETTLE_S}s after all streams are open, ${SSE_WINDOW_S}s long"
   } >>"$WORK/commands.txt"
   log "streams ${SSE_STREAMS}; parties ${SSE_PARTIES}; ${SSE_DECODE_TPS} events/s per stream for ~${secs_per_stream}s, ramp ${SSE_RAMP_MS} ms, window ${SSE_WINDOW_S}s"
@@ -236,8 +250,21 @@ scenario_sse() {
       case $party in
         direct) url=http://127.0.0.1:$mport/v1/chat/completions ;;
         warmroute)
-          start_warmroute "warmroute-$n" "" "$pport" "$aport" "$mport" --workers 2
-          party_pid=${PIDS[-1]}
+          if ((SSE_WR_PROCS == 2)); then
+            # Two routers on one port and segment: each its own process (and fd limit),
+            # one worker each, pinned by segment row to cores 0 and 1; the second joins the
+            # first, with an admin port of its own for its readiness.
+            start_warmroute "warmroute-$n" "" "$pport" "$aport" "$mport" --workers 1
+            party_pid=${PIDS[-1]}
+            spawn "warmroute-$n-join" "" "$WORK/warmroute-$n-join.log" "$WARMROUTE_BIN" serve \
+              --config "$WORK/warmroute-$n/warmroute.toml" --access-log off --workers 1 --join \
+              --admin-listen "127.0.0.1:$((base + 3))"
+            party_pid+=",${PIDS[-1]}"
+            wait_http "warmroute-$n-join" "http://127.0.0.1:$((base + 3))/readyz" 200
+          else
+            start_warmroute "warmroute-$n" "" "$pport" "$aport" "$mport" --workers 2
+            party_pid=${PIDS[-1]}
+          fi
           url=http://127.0.0.1:$pport/bench/v1/chat/completions
           ;;
         nginx)
@@ -311,6 +338,7 @@ scenario_sse() {
     done
   done
 
+  echo "$SSE_WR_PROCS" >"$WORK/warmroute_procs"
   local json_out=$OUT_DIR/$scenario-$ts.json
   python3 "$BENCH_DIR/sse_report.py" --work "$WORK" --out "$json_out" \
     --results-md "$RESULTS_MD" --timestamp "$ts" --git "$(git_rev)" \

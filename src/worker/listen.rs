@@ -3,7 +3,8 @@
 //!
 //! Before binding, a plain bind (no SO_REUSEPORT) probes the port: if any other socket
 //! holds it — a stale or live warmroute included — for more than a second, startup
-//! refuses, unless `--takeover` asks to share the port with the process being replaced.
+//! refuses, unless `--takeover` asks to share the port with the process being replaced, or
+//! `--join` to serve alongside it.
 
 use std::io;
 use std::net::{SocketAddr, TcpListener};
@@ -98,7 +99,7 @@ fn in_use(addr: SocketAddr) -> String {
     if listening {
         return format!(
             "{addr} is already served by another process (a running warmroute?); stop it, or \
-             start with --takeover to replace it without downtime"
+             start with --takeover to replace it without downtime (or --join to serve alongside it)"
         );
     }
     let mut msg = format!(

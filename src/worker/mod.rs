@@ -86,7 +86,9 @@ pub struct StartOptions {
     pub workers: usize,
     pub public: SocketAddr,
     pub admin: SocketAddr,
-    pub takeover: bool,
+    /// Share the ports with the routers already serving them (`--takeover`, `--join`)
+    /// instead of refusing to start.
+    pub share_ports: bool,
     pub pin: bool,
     pub access_log: AccessLogTarget,
 }
@@ -121,8 +123,8 @@ impl Workers {
         seg: Arc<Segment>,
     ) -> io::Result<Workers> {
         let n = opts.workers.max(1);
-        let (public, public_addr) = bind_shared(opts.public, n, opts.takeover)?;
-        let (admin, admin_addr) = bind_shared(opts.admin, n, opts.takeover)?;
+        let (public, public_addr) = bind_shared(opts.public, n, opts.share_ports)?;
+        let (admin, admin_addr) = bind_shared(opts.admin, n, opts.share_ports)?;
         let shared = Arc::new(Shared {
             seg,
             draining: AtomicBool::new(false),
@@ -135,10 +137,10 @@ impl Workers {
             started: Instant::now(),
             per_worker: (0..n).map(|_| WorkerCells::default()).collect(),
         });
-        let cores = if opts.pin {
-            core_affinity::get_core_ids().unwrap_or_default()
+        let cores: Arc<[core_affinity::CoreId]> = if opts.pin {
+            core_affinity::get_core_ids().unwrap_or_default().into()
         } else {
-            Vec::new()
+            Arc::from([])
         };
         let mut senders = Vec::with_capacity(n);
         let mut handles = Vec::with_capacity(n);
@@ -147,11 +149,11 @@ impl Workers {
             senders.push(tx);
             let shared = shared.clone();
             let snap = snapshot.clone();
-            let core = (!cores.is_empty()).then(|| cores[idx % cores.len()]);
+            let cores = cores.clone();
             let log = opts.access_log.clone();
             let h = std::thread::Builder::new()
                 .name(format!("warmroute-w{idx}"))
-                .spawn(move || worker_main(idx, core, pl, al, rx, shared, snap, log))?;
+                .spawn(move || worker_main(idx, &cores, pl, al, rx, shared, snap, log))?;
             handles.push(h);
         }
         Ok(Workers {
@@ -208,12 +210,31 @@ impl Workers {
     }
 }
 
+/// Pin the calling worker thread to the core its segment row names (row modulo the cores
+/// in the affinity mask). By row rather than by its index in this process: routers that
+/// share a segment (`--join`, and the two sides of a takeover) hold distinct rows, so
+/// two one-worker routers joined on a two-core host run on both cores, not both on the
+/// first. The rows of one router are its lowest free ones, so a lone router of N workers
+/// on N cores still puts one on each.
+fn pin_to_core(idx: usize, wid: warmroute_shm::WorkerId, cores: &[core_affinity::CoreId]) {
+    let Some(&c) = cores.get(wid.0 as usize % cores.len().max(1)) else {
+        return;
+    };
+    if !core_affinity::set_for_current(c) {
+        tracing::warn!(
+            worker = idx,
+            core = c.id,
+            "could not pin worker to its core"
+        );
+    }
+}
+
 pub const DRIVER_NAMES: [&str; 3] = ["starting", "io_uring", "epoll"];
 
 #[allow(clippy::too_many_arguments)]
 fn worker_main(
     idx: usize,
-    core: Option<core_affinity::CoreId>,
+    cores: &[core_affinity::CoreId],
     public: TcpListener,
     admin: TcpListener,
     rx: Receiver<Arc<Snapshot>>,
@@ -221,15 +242,6 @@ fn worker_main(
     snapshot: Arc<Snapshot>,
     log: AccessLogTarget,
 ) {
-    if let Some(c) = core {
-        if !core_affinity::set_for_current(c) {
-            tracing::warn!(
-                worker = idx,
-                core = c.id,
-                "could not pin worker to its core"
-            );
-        }
-    }
     let uring = monoio::utils::detect_uring();
     let driver = if uring { "io_uring" } else { "epoll" };
     shared.per_worker[idx]
@@ -261,6 +273,7 @@ fn worker_main(
                 std::process::exit(1);
             }
         };
+        pin_to_core(idx, wid, cores);
         let ctx = Rc::new(WorkerCtx::new(idx, wid, shared.clone(), snapshot, driver, &log));
         for (l, kind) in [(public, PortKind::Public), (admin, PortKind::Admin)] {
             match monoio::net::TcpListener::from_std(l) {
