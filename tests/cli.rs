@@ -2877,13 +2877,14 @@ fn a_joined_router_serves_alongside_the_first_with_one_pool_of_limits() {
         "the join left the first router running"
     );
     assert_eq!(request(a.admin, &get("/readyz")).status, 200);
-    // Both own worker rows in the one segment.
+    // Both own a live worker row in the one segment (`WORKER PID TAG ALIVE ...`).
     let text = status_text(&a.shm);
     for pid in [a.child.id(), b.child.id()] {
-        assert!(
-            text.contains(&pid.to_string()),
-            "pid {pid} in the segment:\n{text}"
-        );
+        let owns_row = text.lines().any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() >= 4 && f[1] == pid.to_string() && f[3] == "yes"
+        });
+        assert!(owns_row, "pid {pid} owns a live row:\n{text}");
     }
     // Pinned by segment row: the two one-worker routers run on different cores (on a host
     // with two cores or more in the mask; the index in the process would put both on the
