@@ -13,7 +13,7 @@ use warmroute_shm::{Capacities, Segment};
 use crate::auth::{file_stamp, load_key_file, FileStamp, KeyFile, KeyFileStatus};
 use crate::config::{self, Config, ConfigError};
 use crate::snapshot::Snapshot;
-use crate::worker::{default_worker_count, AccessLogTarget, StartOptions, Workers};
+use crate::worker::{default_worker_count, AccessLogTarget, StartOptions, WorkerRows, Workers};
 
 /// Where the configuration comes from.
 #[derive(Clone, Debug)]
@@ -133,19 +133,39 @@ fn segment_capacities(workers: usize, cpus: usize) -> Capacities {
     }
 }
 
-/// Open the segment sized for `workers`; when a live router (the one a takeover replaces)
-/// owns it with another worker capacity, share it as it is if its free rows suffice.
-fn open_segment(path: &std::path::Path, workers: usize, cpus: usize) -> io::Result<Segment> {
+/// Open the segment sized for `workers` and claim a worker row for each, with the core it
+/// is to be pinned to (`cores`: the affinity mask's core ids; empty = no pinning). When a
+/// live router (one a takeover replaces, or one a join serves alongside) owns the segment
+/// with another worker capacity, share it as it is if its free rows suffice.
+///
+/// The rows are claimed before the file lock is let go, so that a router starting in the
+/// same instant sees them: it neither takes the segment for unused (and reinitialises it
+/// under this one's mapping) nor takes the served port for a stranger's.
+fn open_segment(
+    path: &std::path::Path,
+    workers: usize,
+    cpus: usize,
+    cores: &[usize],
+) -> io::Result<(Segment, WorkerRows)> {
     let caps = segment_capacities(workers, cpus);
-    let seg = match Segment::open_or_create(path, caps) {
-        Ok(seg) => seg,
+    let claim = |seg: &Segment| claim_rows(seg, workers, cores);
+    match Segment::open_or_create_then(path, caps, claim) {
         Err(e) if e.kind() == io::ErrorKind::AddrInUse => match Segment::open_existing(path) {
-            Ok(seg) if seg.caps().peers == caps.peers && seg.caps().routes == caps.routes => seg,
-            _ => return Err(e),
+            Ok(seg) if seg.caps().peers == caps.peers && seg.caps().routes == caps.routes => {
+                // A live router owns it, so nobody reinitialises it meanwhile.
+                let rows = claim_rows(&seg, workers, cores)?;
+                Ok((seg, rows))
+            }
+            _ => Err(e),
         },
-        Err(e) => return Err(e),
-    };
-    reclaim_dead_rows(&seg);
+        other => other,
+    }
+}
+
+/// Claim `workers` rows of `seg` for this process, each with a core: the ones the routers
+/// already running there use least (`worker::pin::assign`).
+fn claim_rows(seg: &Segment, workers: usize, cores: &[usize]) -> io::Result<WorkerRows> {
+    reclaim_dead_rows(seg);
     let owned = seg.workers().len();
     let rows = seg.caps().workers as usize;
     if owned + workers > rows {
@@ -153,13 +173,36 @@ fn open_segment(path: &std::path::Path, workers: usize, cpus: usize) -> io::Resu
             io::ErrorKind::AddrInUse,
             format!(
                 "{workers} workers need {workers} free worker rows, but {owned} of its {rows} are \
-                 owned by live processes (a router still draining, or one of more workers than \
-                 this segment was sized for: a router that starts on the segment alone, without \
-                 --takeover, sizes it anew)"
+                 owned by live processes (routers joined on it or still draining, or one of more \
+                 workers than this segment was sized for: a router that starts on the segment \
+                 alone, without --takeover or --join, sizes it anew)"
             ),
         ));
     }
-    Ok(seg)
+    let taken: Vec<usize> = seg
+        .beating_rows(warmroute_shm::now_ms(), crate::worker::BEATING_MS)
+        .into_iter()
+        .filter_map(|(_, core, _)| core)
+        .collect();
+    let assigned = crate::worker::assign_cores(cores, &taken, workers);
+    let pid = std::process::id();
+    let mut claimed = Vec::with_capacity(workers);
+    for idx in 0..workers {
+        match seg.claim_worker(pid, idx as u32) {
+            Ok(w) => {
+                let core = assigned.get(idx).copied();
+                seg.set_worker_core(w, core);
+                claimed.push((w, core));
+            }
+            Err(e) => {
+                for (w, _) in claimed {
+                    seg.release_worker(w);
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(claimed)
 }
 
 /// Remove the segment file a failed start created, unless another live process has rows
@@ -191,18 +234,18 @@ fn reclaim_dead_rows(seg: &Segment) {
     }
 }
 
-/// `--takeover` and `--join` share the ports with whoever serves them: the routers whose
-/// rows are in the segment (which a takeover then retires and a join serves alongside). A
-/// port served while the segment has no other live router is served by something else (a
-/// router with another `shm_path`, or another program): the two would split the
-/// connections for good, each with its own counts and limits.
+/// `--takeover` and `--join` share the ports (public and admin) with whoever serves them:
+/// the routers whose rows are in the segment (which a takeover then retires and a join
+/// serves alongside). A port served while the segment has no other live router is served
+/// by something else (a router with another `shm_path`, or another program): the two would
+/// split the connections for good, each with its own counts and limits.
 fn refuse_sharing_with_a_stranger(
     seg: &Segment,
     shm_path: &std::path::Path,
-    public: std::net::SocketAddr,
+    addr: std::net::SocketAddr,
     join: bool,
 ) -> io::Result<()> {
-    if !other_live_pids(seg).is_empty() || !crate::worker::port_served(public) {
+    if !other_live_pids(seg).is_empty() || !crate::worker::port_served(addr) {
         return Ok(());
     }
     let (flag, what) = if join {
@@ -213,7 +256,7 @@ fn refuse_sharing_with_a_stranger(
     Err(io::Error::new(
         io::ErrorKind::AddrInUse,
         format!(
-            "{flag}: {public} is served by a process that does not use the shared segment \
+            "{flag}: {addr} is served by a process that does not use the shared segment \
              {} (a router with another shm_path, or another program); {what} shares the \
              running router's segment: give this one the same shm_path",
             shm_path.display()
@@ -357,33 +400,44 @@ impl Router {
         // A segment file this start creates goes again if the start fails after (a port
         // already served, say): a refused start leaves nothing behind in /dev/shm.
         let created = !server.shm_path.exists();
-        let seg = Arc::new(open_segment(&server.shm_path, workers, cpus).map_err(|e| {
+        let cores: Vec<usize> = if overrides.no_pin {
+            Vec::new()
+        } else {
+            crate::worker::mask_cores()
+        };
+        let (seg, rows) = open_segment(&server.shm_path, workers, cpus, &cores).map_err(|e| {
             StartError::Io(io::Error::new(
                 e.kind(),
                 format!("shared segment {}: {e}", server.shm_path.display()),
             ))
-        })?);
+        })?;
+        let seg = Arc::new(seg);
+        // A failed start gives its rows back (and removes a segment file it created).
         let discard = |e: io::Error| {
+            for &(w, _) in &rows {
+                seg.release_worker(w);
+            }
             if created {
                 discard_segment(&seg, &server.shm_path);
             }
             StartError::Io(e)
         };
         if overrides.takeover || overrides.join {
-            refuse_sharing_with_a_stranger(&seg, &server.shm_path, server.listen, overrides.join)
-                .map_err(discard)?;
+            for addr in [server.listen, server.admin_listen] {
+                refuse_sharing_with_a_stranger(&seg, &server.shm_path, addr, overrides.join)
+                    .map_err(discard)?;
+            }
         }
         let keys = Arc::new(load_keys(&config, None));
         let snapshot = Arc::new(
             Snapshot::build(config.clone(), keys.clone(), &seg, 1)
-                .map_err(|e| StartError::Io(io::Error::other(e)))?,
+                .map_err(|e| discard(io::Error::other(e)))?,
         );
         let opts = StartOptions {
-            workers,
+            rows: rows.clone(),
             public: server.listen,
             admin: server.admin_listen,
             share_ports: overrides.takeover || overrides.join,
-            pin: !overrides.no_pin,
             access_log: overrides
                 .access_log
                 .clone()

@@ -202,6 +202,30 @@ pub struct Snapshot {
     /// Every key owner of the key file and the routes' own tables, sorted, with its row
     /// of counters in the segment (`cells::owner`). Owners without a name are left out.
     pub owners: Vec<(String, RouteSlot)>,
+    /// A digest of the routes and their peers' segment slots ([`routes_digest`]), which
+    /// each worker writes into its segment row: routers sharing a segment can tell whether
+    /// they serve the same routes.
+    pub routes_digest: u64,
+}
+
+/// A digest of `routes`: each route's name and its peers' segment slots, in name order.
+/// Two routers with the same routes and peers on one segment get the same value (the
+/// slots are the segment's, keyed by route, pool and address); never 0 (0 = not said).
+pub fn routes_digest(routes: &[Arc<RouteRt>]) -> u64 {
+    let mut named: Vec<&RouteRt> = routes.iter().map(|r| r.as_ref()).collect();
+    named.sort_by(|a, b| a.name().cmp(b.name()));
+    let mut h = crc32fast::Hasher::new();
+    for r in named {
+        h.update(r.name().as_bytes());
+        h.update(&[0]);
+        let mut slots: Vec<u32> = r.all_peers().map(|p| p.slot.0).collect();
+        slots.sort_unstable();
+        for s in slots {
+            h.update(&s.to_le_bytes());
+        }
+        h.update(&[0xff]);
+    }
+    u64::from(h.finalize()) | 1 << 32
 }
 
 /// The segment key of a peer slot: route, pool and address. Keys longer than the segment
@@ -353,6 +377,7 @@ impl Snapshot {
                 Some((o, slot?))
             })
             .collect();
+        let routes_digest = routes_digest(&routes);
         Ok(Snapshot {
             config,
             keys,
@@ -360,6 +385,7 @@ impl Snapshot {
             by_name,
             generation,
             owners,
+            routes_digest,
         })
     }
 

@@ -2798,6 +2798,22 @@ fn heads_declaring_large_bodies_do_not_reserve_them() {
     assert!(body[1..DECLARED - 1].iter().all(|&c| c == b' '));
 }
 
+/// How many CPUs this process may run on (its `Cpus_allowed_list`, counted).
+fn worker0_mask_len() -> usize {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .unwrap()
+        .trim();
+    list.split(',')
+        .map(|r| match r.split_once('-') {
+            Some((a, b)) => b.parse::<usize>().unwrap() - a.parse::<usize>().unwrap() + 1,
+            None => 1,
+        })
+        .sum()
+}
+
 /// The worker thread `warmroute-w0` of process `pid`: the CPUs it may run on
 /// (`Cpus_allowed_list`).
 fn worker0_cpus(pid: u32) -> String {
@@ -2889,8 +2905,7 @@ fn a_joined_router_serves_alongside_the_first_with_one_pool_of_limits() {
     // Pinned by segment row: the two one-worker routers run on different cores (on a host
     // with two cores or more in the mask; the index in the process would put both on the
     // first).
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if cores >= 2 {
+    if worker0_mask_len() >= 2 {
         let (ca, cb) = (worker0_cpus(a.child.id()), worker0_cpus(b.child.id()));
         assert_ne!(ca, cb, "the joined routers' workers share a core");
         assert!(
@@ -2943,7 +2958,41 @@ fn a_joined_router_serves_alongside_the_first_with_one_pool_of_limits() {
         .status
             == 200
     });
-    // The first drains and exits; the second serves every new connection alone.
+    // On a two-core host, a third router joined now finds both cores taken once and
+    // shares the first's; when the second leaves, the third moves to the core it freed.
+    if worker0_mask_len() == 2 {
+        let admin_c: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let log_c = d.0.join("access-c.log");
+        let mut c = Proc {
+            child: spawn(
+                &cfg,
+                &log_c,
+                &["--join", "--admin-listen", &admin_c.to_string()],
+            ),
+            public: a.public,
+            admin: admin_c,
+            shm: a.shm.clone(),
+        };
+        assert!(wait_ready_or_exit(&mut c, &d.0), "the third router starts");
+        let ca = worker0_cpus(a.child.id());
+        assert_eq!(
+            worker0_cpus(c.child.id()),
+            ca,
+            "the third shares the first's core"
+        );
+        b.signal("TERM");
+        assert!(b
+            .wait_exit(Duration::from_secs(15))
+            .expect("the second exits")
+            .success());
+        eventually(
+            Duration::from_secs(5),
+            "the third moves to the freed core",
+            || worker0_cpus(c.child.id()) != ca,
+        );
+        b = c;
+    }
+    // The first drains and exits; the other serves every new connection alone.
     a.signal("TERM");
     let status = a
         .wait_exit(Duration::from_secs(15))
@@ -2975,4 +3024,149 @@ fn takeover_and_join_together_are_refused() {
         err.contains("--takeover and --join exclude each other"),
         "{err}"
     );
+}
+
+/// Two `--join` routers started in the same instant, with different worker counts (so
+/// different segment sizes): both start and serve. Each claims its rows before it lets go
+/// of the segment's lock, so neither takes the other's segment for unused and remakes it
+/// under its mapping (a SIGBUS), nor the other's port for a stranger's.
+#[test]
+fn joined_routers_started_together_both_serve() {
+    for round in 0..3 {
+        let d = temp_dir("join-together");
+        let m = mock("m0");
+        std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+        let (p, a1, a2) = (free_port(), free_port(), free_port());
+        let shm = d.0.join("segment");
+        let cfg = server_file(&d.0, p, a1, &shm);
+        let spawn = |workers: &str, admin: u16| {
+            let n = std::fs::read_dir(&d.0).map(|d| d.count()).unwrap_or(0);
+            let err = std::fs::File::create(d.0.join(format!("router-{n}.log"))).unwrap();
+            Command::new(BIN)
+                .arg("serve")
+                .arg("--config")
+                .arg(&cfg)
+                .args([
+                    "--no-pin",
+                    "--access-log",
+                    "off",
+                    "--join",
+                    "--workers",
+                    workers,
+                ])
+                .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+                .stdout(Stdio::null())
+                .stderr(err)
+                .spawn()
+                .unwrap()
+        };
+        let (c1, c2) = (spawn("1", a1), spawn("40", a2));
+        let public: SocketAddr = format!("127.0.0.1:{p}").parse().unwrap();
+        let mut procs = [(c1, a1), (c2, a2)].map(|(child, a)| Proc {
+            child,
+            public,
+            admin: format!("127.0.0.1:{a}").parse().unwrap(),
+            shm: shm.clone(),
+        });
+        for (i, pr) in procs.iter_mut().enumerate() {
+            assert!(
+                wait_ready_or_exit(pr, &d.0),
+                "round {round}: router {i} started and stays up"
+            );
+        }
+        for i in 0..10 {
+            let r = request(
+                public,
+                &post_json(
+                    "/a/v1/chat/completions",
+                    &chat_body(&format!("r{i}"), false),
+                    "",
+                ),
+            );
+            assert_eq!(r.status, 200, "round {round}, request {i}");
+        }
+        for pr in &mut procs {
+            assert!(
+                pr.child.try_wait().unwrap().is_none(),
+                "round {round}: both still up"
+            );
+        }
+    }
+}
+
+/// A joined router that serves other routes than the lease holder is named in the holder's
+/// log: the holder's health checks and adaptive limits cover its own routes only. A router
+/// joined with the same routes is not (the warning counts one other route set, not two).
+#[test]
+fn a_joined_router_with_other_routes_is_warned_about() {
+    let d = temp_dir("join-routes");
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let (a, log) = start_serve_logging(&d.0, "", &["--workers", "1"]);
+    // A second server file: the same ports and segment, another routes directory.
+    std::fs::create_dir_all(d.0.join("routes-c")).unwrap();
+    std::fs::write(d.0.join("routes-c/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    std::fs::write(d.0.join("routes-c/b.toml"), route_for(&[m.addr()], "")).unwrap();
+    let main_cfg = std::fs::read_to_string(d.0.join("warmroute.toml")).unwrap();
+    let other_cfg = d.0.join("other.toml");
+    std::fs::write(
+        &other_cfg,
+        main_cfg.replace("routes_dir = \"routes\"", "routes_dir = \"routes-c\""),
+    )
+    .unwrap();
+    let join = |cfg: &Path| {
+        let admin = format!("127.0.0.1:{}", free_port());
+        let child = spawn_serve(cfg, &["--workers", "1", "--join", "--admin-listen", &admin]);
+        let mut p = Proc {
+            child,
+            public: a.public,
+            admin: admin.parse().unwrap(),
+            shm: a.shm.clone(),
+        };
+        assert!(wait_ready_or_exit(&mut p, &d.0));
+        p
+    };
+    let _same = join(&d.0.join("warmroute.toml"));
+    let _other = join(&other_cfg);
+    eventually(
+        Duration::from_secs(15),
+        "the warning in the holder's log",
+        || log().contains("serve other routes than this one"),
+    );
+    let text = log();
+    let line = text
+        .lines()
+        .find(|l| l.contains("serve other routes than this one"))
+        .unwrap();
+    assert!(line.contains("other_route_sets=1"), "{line}");
+}
+
+/// A join refuses an admin port that a process outside its segment serves (here a plain
+/// listener), as it does the public port: the two would split the admin answers for good.
+#[test]
+fn a_join_refuses_an_admin_port_served_by_a_stranger() {
+    let d = temp_dir("join-stranger");
+    let stranger = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = stranger.local_addr().unwrap();
+    let shm = d.0.join("segment");
+    let public = format!("127.0.0.1:{}", free_port());
+    let out = Command::new(BIN)
+        .args(["serve", "--no-pin", "--join", "--listen", &public])
+        .args(["--admin-listen", &taken.to_string()])
+        .arg("--shm")
+        .arg(&shm)
+        .current_dir(&d.0)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "--join: {taken} is served by a process that does not use"
+        )),
+        "{err}"
+    );
+    assert!(!shm.exists(), "the refused join left its segment");
+    drop(stranger);
 }

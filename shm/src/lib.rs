@@ -162,7 +162,15 @@ struct WorkerRow {
     heartbeat_ms: AtomicU64,
     /// Writer: the claimer, while resetting.
     claimed_ms: AtomicU64,
-    _pad: [AtomicU64; 5],
+    /// Writer: owner (or its process's main thread). The core its worker is pinned to,
+    /// plus one; 0 = not pinned or not said (a router from before this field, which read
+    /// it as padding and never wrote it).
+    core: AtomicU64,
+    /// Writer: owner (or its process's main thread). A digest of the routes and peers its
+    /// process serves (0 = not said), so that routers sharing the segment can tell when
+    /// they serve different route sets.
+    routes_digest: AtomicU64,
+    _pad: [AtomicU64; 3],
 }
 const _: () = assert!(size_of::<WorkerRow>() == 64);
 
@@ -490,6 +498,18 @@ impl Segment {
     /// match (or the file is shorter than the header says) and no live process owns any worker
     /// row, reinitialise it; if a live process owns rows, return an error explaining the mismatch.
     pub fn open_or_create(path: &Path, caps: Capacities) -> io::Result<Segment> {
+        Segment::open_or_create_then(path, caps, |_| Ok(())).map(|(seg, ())| seg)
+    }
+
+    /// [`Segment::open_or_create`], then `then` on the segment while the file lock is still
+    /// held: another process's open waits for it. A router claims its worker rows here, so
+    /// that a router starting in the same instant sees them (and does not take the segment
+    /// for unused and reinitialise it under the first one's mapping).
+    pub fn open_or_create_then<T>(
+        path: &Path,
+        caps: Capacities,
+        then: impl FnOnce(&Segment) -> io::Result<T>,
+    ) -> io::Result<(Segment, T)> {
         let layout = Layout::new(caps)?;
         let file = OpenOptions::new()
             .read(true)
@@ -527,7 +547,9 @@ impl Segment {
                 && info.worker_row_size == size_of::<WorkerRow>() as u32
                 && len >= layout.total_size;
             if matches {
-                return Segment::from_map(map, path, caps, layout);
+                let seg = Segment::from_map(map, path, caps, layout)?;
+                let t = then(&seg)?;
+                return Ok((seg, t));
             }
             let live = live_owners(&map, &info);
             if !live.is_empty() {
@@ -570,7 +592,9 @@ impl Segment {
                 .store(size_of::<WorkerRow>() as u32, Ordering::Relaxed);
             h.magic.store(MAGIC, Ordering::Release);
         }
-        Segment::from_map(map, path, caps, layout)
+        let seg = Segment::from_map(map, path, caps, layout)?;
+        let t = then(&seg)?;
+        Ok((seg, t))
     }
 
     /// Attach to an existing segment reading caps from its header (for `warmroute status`);
@@ -737,6 +761,8 @@ impl Segment {
             let w = WorkerId(i as u32);
             self.zero_inflight(w);
             row.tag.store(tag, Ordering::Relaxed);
+            row.core.store(0, Ordering::Relaxed);
+            row.routes_digest.store(0, Ordering::Relaxed);
             row.heartbeat_ms.store(now_ms(), Ordering::Relaxed);
             row.claimed_ms.store(now_ms(), Ordering::Relaxed);
             self.header()
@@ -827,6 +853,40 @@ impl Segment {
         self.worker_rows()[w.0 as usize]
             .heartbeat_ms
             .store(now_ms, Ordering::Relaxed);
+    }
+
+    /// Record the core worker `w` is pinned to (`None`: not pinned).
+    pub fn set_worker_core(&self, w: WorkerId, core: Option<usize>) {
+        let v = core.map_or(0, |c| c as u64 + 1);
+        self.worker_rows()[w.0 as usize]
+            .core
+            .store(v, Ordering::Relaxed);
+    }
+
+    /// Record the digest of the routes worker `w`'s process serves.
+    pub fn set_worker_routes_digest(&self, w: WorkerId, digest: u64) {
+        self.worker_rows()[w.0 as usize]
+            .routes_digest
+            .store(digest, Ordering::Relaxed);
+    }
+
+    /// The rows with an owner that has beaten within `quiet_ms` before `now_ms` (a live
+    /// router beats every few tens of milliseconds; a row just claimed counts from its
+    /// claim): `(id, pinned core, routes digest)`, the core `None` when not said.
+    pub fn beating_rows(&self, now_ms: u64, quiet_ms: u64) -> Vec<(WorkerId, Option<usize>, u64)> {
+        self.live_rows()
+            .filter(|(_, r)| {
+                now_ms.saturating_sub(r.heartbeat_ms.load(Ordering::Relaxed)) < quiet_ms
+            })
+            .map(|(i, r)| {
+                let core = r.core.load(Ordering::Relaxed).checked_sub(1);
+                (
+                    WorkerId(i as u32),
+                    core.map(|c| c as usize),
+                    r.routes_digest.load(Ordering::Relaxed),
+                )
+            })
+            .collect()
     }
 
     /// `(id, pid, tag, last heartbeat ms)` of rows with an owner.

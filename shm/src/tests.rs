@@ -1216,3 +1216,57 @@ fn socket_pending_sees_bytes_and_closes_without_taking_them() {
     // Not a socket: a clear answer, no crash.
     assert_eq!(socket_pending(-1), Pending::Closed);
 }
+
+#[test]
+fn rows_claimed_in_open_or_create_then_keep_a_second_opener_from_reinitialising() {
+    let t = TempPath::new("then");
+    // The first opener claims its row before the lock is let go; a second opener with
+    // other capacities then finds a live owner and is refused instead of remaking the file.
+    let (first, w) =
+        Segment::open_or_create_then(&t.0, small(), |s| s.claim_worker(me(), 0)).unwrap();
+    first.global_cell(3).store(7, Ordering::Relaxed);
+    let bigger = Capacities {
+        workers: 8,
+        ..small()
+    };
+    let err = Segment::open_or_create_then(&t.0, bigger, |_| Ok(())).unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::AddrInUse, "{err}");
+    assert_eq!(first.global_cell(3).load(Ordering::Relaxed), 7);
+    // The control: with the row given back, the same open remakes the segment.
+    first.release_worker(w);
+    let (second, ()) = Segment::open_or_create_then(&t.0, bigger, |_| Ok(())).unwrap();
+    assert_eq!(second.caps().workers, 8);
+    assert_eq!(second.global_cell(3).load(Ordering::Relaxed), 0);
+    // An error from `then` is the open's error.
+    let err = Segment::open_or_create_then(&t.0, bigger, |_| -> io::Result<()> {
+        Err(io::Error::other("no"))
+    })
+    .unwrap_err();
+    assert_eq!(err.to_string(), "no");
+}
+
+#[test]
+fn beating_rows_report_core_and_routes_digest_and_leave_out_quiet_rows() {
+    let t = TempPath::new("beating");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let a = s.claim_worker(me(), 0).unwrap();
+    let b = s.claim_worker(me(), 1).unwrap();
+    s.set_worker_core(a, Some(3));
+    s.set_worker_routes_digest(a, 42);
+    let now = now_ms();
+    s.heartbeat(a, now);
+    s.heartbeat(b, now - 10_000);
+    // `b` has not beaten for 10 s: left out; `a` with its core and digest.
+    assert_eq!(s.beating_rows(now, 2_000), vec![(a, Some(3), 42)]);
+    s.heartbeat(b, now);
+    let rows = s.beating_rows(now, 2_000);
+    assert!(rows.contains(&(b, None, 0)), "{rows:?}");
+    // Core 0 is told apart from "not said".
+    s.set_worker_core(b, Some(0));
+    assert!(s.beating_rows(now, 2_000).contains(&(b, Some(0), 0)));
+    // A row given back and claimed again starts with neither.
+    s.release_worker(a);
+    let c = s.claim_worker(me(), 2).unwrap();
+    assert_eq!(c, a);
+    assert!(s.beating_rows(now_ms(), 2_000).contains(&(c, None, 0)));
+}

@@ -102,6 +102,53 @@ impl Rounds {
     }
 }
 
+/// Routers sharing the segment (`--join`) that serve other routes than the lease holder:
+/// the holder probes, folds EWMAs and steps adaptive limits for its own routes only, so
+/// routes that only the others serve would go without. Said once per new set of differing
+/// digests that has lasted [`OTHER_ROUTES_MS`] (a reload reaches the routers a few seconds
+/// apart: each watches the files every second and publishes its digest every second).
+#[derive(Default)]
+struct OtherRoutes {
+    /// The differing digests seen, and since when.
+    seen: Vec<u64>,
+    since_ms: u64,
+    said: Vec<u64>,
+}
+
+const OTHER_ROUTES_MS: u64 = 5_000;
+
+impl OtherRoutes {
+    fn check(&mut self, seg: &warmroute_shm::Segment, snap: &crate::snapshot::Snapshot, now: u64) {
+        let mine = snap.routes_digest;
+        let mut other: Vec<u64> = seg
+            .beating_rows(now, crate::worker::BEATING_MS)
+            .into_iter()
+            .map(|(_, _, d)| d)
+            .filter(|&d| d != 0 && d != mine)
+            .collect();
+        other.sort_unstable();
+        other.dedup();
+        if other != self.seen {
+            self.seen = other;
+            self.since_ms = now;
+            return;
+        }
+        if other.is_empty() {
+            self.said.clear();
+        } else if other != self.said && now.saturating_sub(self.since_ms) >= OTHER_ROUTES_MS {
+            tracing::warn!(
+                routes = snap.routes.len(),
+                other_route_sets = other.len(),
+                "routers sharing this segment serve other routes than this one: health checks, \
+                 EWMAs and adaptive limits run on the lease holder's routes only, so routes \
+                 that only the others serve go without; give every router on the segment the \
+                 same route files, and reload them together"
+            );
+            self.said = other;
+        }
+    }
+}
+
 /// The lease-holder loop, started on every worker.
 pub async fn run(ctx: Rc<WorkerCtx>) {
     let holder = ((std::process::id() as u64) << 16) | (ctx.index as u64 + 1);
@@ -110,6 +157,7 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
     let mut held = false;
     let mut next_sweep = Instant::now();
     let mut clock = ClockSteps::new(warmroute_shm::now_ms(), Instant::now());
+    let mut strangers = OtherRoutes::default();
     loop {
         if let Either::Right(()) = race(monoio::time::sleep(LEASE_TICK), ctx.drain.wait()).await {
             if held {
@@ -143,6 +191,9 @@ pub async fn run(ctx: Rc<WorkerCtx>) {
                 rows = reclaimed,
                 "reclaimed worker rows of a dead process, with their in-flight counts"
             );
+        }
+        if mono >= next_sweep {
+            strangers.check(&seg, &ctx.snapshot(), now);
         }
         if steady_clock && mono >= next_sweep {
             next_sweep = mono + SLOT_SWEEP;

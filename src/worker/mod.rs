@@ -13,6 +13,7 @@ mod ctx;
 mod listen;
 pub use listen::served as port_served;
 mod notify;
+mod pin;
 pub mod quota;
 pub mod stderr;
 
@@ -24,7 +25,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
-use warmroute_shm::Segment;
+use warmroute_shm::{Segment, WorkerId};
 
 pub use access_log::{AccessLog, Line};
 pub use ctx::{PortKind, SpareBodies, Spares, WorkerCtx};
@@ -82,14 +83,18 @@ impl Shared {
     }
 }
 
+/// The segment rows claimed for a router's workers, each with the core it is pinned to.
+pub type WorkerRows = Vec<(WorkerId, Option<usize>)>;
+
 pub struct StartOptions {
-    pub workers: usize,
+    /// One worker per row claimed for this process in the segment, with the core it is
+    /// pinned to (`None`: not pinned).
+    pub rows: WorkerRows,
     pub public: SocketAddr,
     pub admin: SocketAddr,
     /// Share the ports with the routers already serving them (`--takeover`, `--join`)
     /// instead of refusing to start.
     pub share_ports: bool,
-    pub pin: bool,
     pub access_log: AccessLogTarget,
 }
 
@@ -122,7 +127,13 @@ impl Workers {
         snapshot: Arc<Snapshot>,
         seg: Arc<Segment>,
     ) -> io::Result<Workers> {
-        let n = opts.workers.max(1);
+        let n = opts.rows.len();
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "no worker rows",
+            ));
+        }
         let (public, public_addr) = bind_shared(opts.public, n, opts.share_ports)?;
         let (admin, admin_addr) = bind_shared(opts.admin, n, opts.share_ports)?;
         let shared = Arc::new(Shared {
@@ -137,14 +148,17 @@ impl Workers {
             started: Instant::now(),
             per_worker: (0..n).map(|_| WorkerCells::default()).collect(),
         });
-        let cores: Arc<[core_affinity::CoreId]> = if opts.pin {
-            core_affinity::get_core_ids().unwrap_or_default().into()
+        let pinned = opts.rows.iter().any(|(_, c)| c.is_some());
+        let cores: Arc<[usize]> = if pinned {
+            mask_cores().into()
         } else {
             Arc::from([])
         };
         let mut senders = Vec::with_capacity(n);
         let mut handles = Vec::with_capacity(n);
-        for (idx, (pl, al)) in public.into_iter().zip(admin).enumerate() {
+        for (idx, ((pl, al), &(wid, core))) in
+            public.into_iter().zip(admin).zip(&opts.rows).enumerate()
+        {
             let (tx, rx) = crossbeam_channel::bounded(4);
             senders.push(tx);
             let shared = shared.clone();
@@ -153,7 +167,10 @@ impl Workers {
             let log = opts.access_log.clone();
             let h = std::thread::Builder::new()
                 .name(format!("warmroute-w{idx}"))
-                .spawn(move || worker_main(idx, &cores, pl, al, rx, shared, snap, log))?;
+                .spawn(move || {
+                    let pin = Pin { wid, core, cores };
+                    worker_main(idx, pin, pl, al, rx, shared, snap, log)
+                })?;
             handles.push(h);
         }
         Ok(Workers {
@@ -210,31 +227,65 @@ impl Workers {
     }
 }
 
-/// Pin the calling worker thread to the core its segment row names (row modulo the cores
-/// in the affinity mask). By row rather than by its index in this process: routers that
-/// share a segment (`--join`, and the two sides of a takeover) hold distinct rows, so
-/// two one-worker routers joined on a two-core host run on both cores, not both on the
-/// first. The rows of one router are its lowest free ones, so a lone router of N workers
-/// on N cores still puts one on each.
-fn pin_to_core(idx: usize, wid: warmroute_shm::WorkerId, cores: &[core_affinity::CoreId]) {
-    let Some(&c) = cores.get(wid.0 as usize % cores.len().max(1)) else {
-        return;
-    };
-    if !core_affinity::set_for_current(c) {
-        tracing::warn!(
-            worker = idx,
-            core = c.id,
-            "could not pin worker to its core"
-        );
+/// The core ids of the process's affinity mask (empty when it cannot be read).
+pub fn mask_cores() -> Vec<usize> {
+    core_affinity::get_core_ids()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| c.id)
+        .collect()
+}
+
+pub use pin::assign as assign_cores;
+
+/// A worker's row and core, and the mask's cores (empty: not pinned).
+struct Pin {
+    wid: WorkerId,
+    core: Option<usize>,
+    cores: Arc<[usize]>,
+}
+
+impl Pin {
+    /// Pin the calling thread to `core`.
+    fn apply(idx: usize, core: usize) {
+        if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
+            tracing::warn!(worker = idx, core, "could not pin worker to its core");
+        }
+    }
+
+    /// Move to a core no worker of the segment uses, when this worker shares its core with
+    /// one of a lower row (a router it started next to has gone since, say).
+    fn rebalance(&mut self, idx: usize, seg: &Segment, now: u64) {
+        let Some(core) = self.core else { return };
+        let live: Vec<(u32, usize)> = seg
+            .beating_rows(now, BEATING_MS)
+            .into_iter()
+            .filter_map(|(w, c, _)| Some((w.0, c?)))
+            .collect();
+        if let Some(to) = pin::rebalance(&self.cores, (self.wid.0, core), &live) {
+            Pin::apply(idx, to);
+            seg.set_worker_core(self.wid, Some(to));
+            self.core = Some(to);
+            tracing::info!(
+                worker = idx,
+                from = core,
+                to,
+                "moved to a core no worker uses"
+            );
+        }
     }
 }
+
+/// A row beating within this long counts as a running worker for core placement (a live
+/// router beats every 50 ms; a row just claimed counts from its claim).
+pub const BEATING_MS: u64 = 2_000;
 
 pub const DRIVER_NAMES: [&str; 3] = ["starting", "io_uring", "epoll"];
 
 #[allow(clippy::too_many_arguments)]
 fn worker_main(
     idx: usize,
-    cores: &[core_affinity::CoreId],
+    mut pin: Pin,
     public: TcpListener,
     admin: TcpListener,
     rx: Receiver<Arc<Snapshot>>,
@@ -242,6 +293,10 @@ fn worker_main(
     snapshot: Arc<Snapshot>,
     log: AccessLogTarget,
 ) {
+    if let Some(core) = pin.core {
+        Pin::apply(idx, core);
+    }
+    let wid = pin.wid;
     let uring = monoio::utils::detect_uring();
     let driver = if uring { "io_uring" } else { "epoll" };
     shared.per_worker[idx]
@@ -265,16 +320,9 @@ fn worker_main(
         );
     }
     rt.block_on(async move {
-        let pid = std::process::id();
-        let wid = match shared.seg.claim_worker(pid, idx as u32) {
-            Ok(w) => w,
-            Err(e) => {
-                tracing::error!(worker = idx, error = %e, "no free worker row in the shared segment");
-                std::process::exit(1);
-            }
-        };
-        pin_to_core(idx, wid, cores);
+        let digest = snapshot.routes_digest;
         let ctx = Rc::new(WorkerCtx::new(idx, wid, shared.clone(), snapshot, driver, &log));
+        shared.seg.set_worker_routes_digest(wid, digest);
         for (l, kind) in [(public, PortKind::Public), (admin, PortKind::Admin)] {
             match monoio::net::TcpListener::from_std(l) {
                 Ok(l) => {
@@ -309,6 +357,10 @@ fn worker_main(
             if stamped.elapsed() >= SLOT_STAMP {
                 stamped = Instant::now();
                 ctx.touch_slots(now);
+                shared
+                    .seg
+                    .set_worker_routes_digest(wid, ctx.snapshot().routes_digest);
+                pin.rebalance(idx, &shared.seg, now);
             }
             shared.seg.heartbeat(wid, now);
             let mut newest = None;
