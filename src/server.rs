@@ -146,31 +146,47 @@ fn open_segment(
     workers: usize,
     cpus: usize,
     cores: &[usize],
+    ports: (u16, u16),
 ) -> io::Result<(Segment, WorkerRows)> {
     let caps = segment_capacities(workers, cpus);
-    let claim = |seg: &Segment| claim_rows(seg, workers, cores);
+    let claim = |seg: &Segment| claim_rows(seg, workers, cores, ports);
     match Segment::open_or_create_then(path, caps, claim) {
-        Err(e) if e.kind() == io::ErrorKind::AddrInUse => match Segment::open_existing(path) {
-            Ok(seg) if seg.caps().peers == caps.peers && seg.caps().routes == caps.routes => {
-                // A live router owns it, so nobody reinitialises it meanwhile.
-                let rows = claim_rows(&seg, workers, cores)?;
-                Ok((seg, rows))
+        // Another layout, owned by a live router: share it as it is, if its tables have the
+        // same sizes, claiming under its lock as above.
+        Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
+            let same_tables =
+                |seg: &Segment| seg.caps().peers == caps.peers && seg.caps().routes == caps.routes;
+            let claim = |seg: &Segment| {
+                if same_tables(seg) {
+                    claim_rows(seg, workers, cores, ports).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            match Segment::open_existing_then(path, claim) {
+                Ok((seg, Some(rows))) => Ok((seg, rows)),
+                Err(short) if short.kind() == io::ErrorKind::ResourceBusy => Err(short),
+                _ => Err(e),
             }
-            _ => Err(e),
-        },
+        }
         other => other,
     }
 }
 
 /// Claim `workers` rows of `seg` for this process, each with a core: the ones the routers
 /// already running there use least (`worker::pin::assign`).
-fn claim_rows(seg: &Segment, workers: usize, cores: &[usize]) -> io::Result<WorkerRows> {
+fn claim_rows(
+    seg: &Segment,
+    workers: usize,
+    cores: &[usize],
+    (public, admin): (u16, u16),
+) -> io::Result<WorkerRows> {
     reclaim_dead_rows(seg);
     let owned = seg.workers().len();
     let rows = seg.caps().workers as usize;
     if owned + workers > rows {
         return Err(io::Error::new(
-            io::ErrorKind::AddrInUse,
+            io::ErrorKind::ResourceBusy,
             format!(
                 "{workers} workers need {workers} free worker rows, but {owned} of its {rows} are \
                  owned by live processes (routers joined on it or still draining, or one of more \
@@ -192,6 +208,7 @@ fn claim_rows(seg: &Segment, workers: usize, cores: &[usize]) -> io::Result<Work
             Ok(w) => {
                 let core = assigned.get(idx).copied();
                 seg.set_worker_core(w, core);
+                seg.set_worker_ports(w, public, admin);
                 claimed.push((w, core));
             }
             Err(e) => {
@@ -206,11 +223,10 @@ fn claim_rows(seg: &Segment, workers: usize, cores: &[usize]) -> io::Result<Work
 }
 
 /// Remove the segment file a failed start created, unless another live process has rows
-/// in it (a router that started alongside and opened it too).
-fn discard_segment(seg: &Segment, path: &std::path::Path) {
-    if other_live_pids(seg).is_empty() {
-        let _ = std::fs::remove_file(path);
-    }
+/// in it (a router that started alongside and opened it too). Under the file's lock, so a
+/// router opening it meanwhile keeps a file that others can find.
+fn discard_segment(path: &std::path::Path) {
+    let _ = Segment::remove_unused(path);
 }
 
 /// The live processes other than this one that own worker rows in `seg`, sorted, each once.
@@ -245,7 +261,21 @@ fn refuse_sharing_with_a_stranger(
     addr: std::net::SocketAddr,
     join: bool,
 ) -> io::Result<()> {
-    if !other_live_pids(seg).is_empty() || !crate::worker::port_served(addr) {
+    if !crate::worker::port_served(addr) {
+        return Ok(());
+    }
+    // Served: by a router of this segment if one says it listens on the port. One that
+    // says nothing (a router from before the rows said their ports) is given the benefit
+    // of the doubt.
+    let me = std::process::id();
+    let ours = seg.worker_ports().into_iter().any(|(pid, ports)| {
+        pid != me
+            && warmroute_shm::pid_alive(pid)
+            && ports.is_none_or(|(p, a)| p == addr.port() || a == addr.port())
+    });
+    // Nor a port that is let go within a moment: the listeners of a router that has just
+    // died (the kernel closes an io_uring's sockets after the process is gone).
+    if ours || crate::worker::port_freed_within(addr, crate::worker::PORT_FREE_WAIT) {
         return Ok(());
     }
     let (flag, what) = if join {
@@ -258,7 +288,8 @@ fn refuse_sharing_with_a_stranger(
         format!(
             "{flag}: {addr} is served by a process that does not use the shared segment \
              {} (a router with another shm_path, or another program); {what} shares the \
-             running router's segment: give this one the same shm_path",
+             ports of the routers on its segment: give this one the same shm_path, or a \
+             port that is free",
             shm_path.display()
         ),
     ))
@@ -405,12 +436,17 @@ impl Router {
         } else {
             crate::worker::mask_cores()
         };
-        let (seg, rows) = open_segment(&server.shm_path, workers, cpus, &cores).map_err(|e| {
-            StartError::Io(io::Error::new(
-                e.kind(),
-                format!("shared segment {}: {e}", server.shm_path.display()),
-            ))
-        })?;
+        let ports = (server.listen.port(), server.admin_listen.port());
+        let (seg, rows) =
+            open_segment(&server.shm_path, workers, cpus, &cores, ports).map_err(|e| {
+                if created {
+                    discard_segment(&server.shm_path);
+                }
+                StartError::Io(io::Error::new(
+                    e.kind(),
+                    format!("shared segment {}: {e}", server.shm_path.display()),
+                ))
+            })?;
         let seg = Arc::new(seg);
         // A failed start gives its rows back (and removes a segment file it created).
         let discard = |e: io::Error| {
@@ -418,7 +454,7 @@ impl Router {
                 seg.release_worker(w);
             }
             if created {
-                discard_segment(&seg, &server.shm_path);
+                discard_segment(&server.shm_path);
             }
             StartError::Io(e)
         };
@@ -444,6 +480,11 @@ impl Router {
                 .unwrap_or(AccessLogTarget::Stderr),
         };
         let workers = Workers::start(opts, snapshot, seg.clone()).map_err(discard)?;
+        // The ports as bound (port 0 resolves there).
+        for &(w, _) in &rows {
+            let s = &workers.shared;
+            seg.set_worker_ports(w, s.public_addr.port(), s.admin_addr.port());
+        }
         if overrides.takeover {
             retire_previous(&workers, &seg);
         }

@@ -951,6 +951,15 @@ fn a_router_killed_while_draining_leaves_no_phantom_in_flight() {
         shm: old.shm.clone(),
     };
     assert!(wait_ready_or_exit(&mut new, &d.0), "the new router exited");
+    // Its readiness may be the old router's answer on the shared admin port: wait for its
+    // rows in the segment too.
+    let new_pid = new.child.id().to_string();
+    eventually(Duration::from_secs(10), "the new router's rows", || {
+        status_text(&new.shm).lines().any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() >= 4 && f[1] == new_pid && f[3] == "yes"
+        })
+    });
     // The control: the old router's request counts in the segment the new one reads.
     // (While the old router lets go of the shared port a connection may land on it and be
     // reset: such a read is tried again.)
@@ -3128,15 +3137,16 @@ fn a_joined_router_with_other_routes_is_warned_about() {
     };
     let _same = join(&d.0.join("warmroute.toml"));
     let _other = join(&other_cfg);
+    // Said once the difference has lasted 20 s.
     eventually(
-        Duration::from_secs(15),
+        Duration::from_secs(40),
         "the warning in the holder's log",
-        || log().contains("serve other routes than this one"),
+        || log().contains("served other routes or peers than this one"),
     );
     let text = log();
     let line = text
         .lines()
-        .find(|l| l.contains("serve other routes than this one"))
+        .find(|l| l.contains("served other routes or peers than this one"))
         .unwrap();
     assert!(line.contains("other_route_sets=1"), "{line}");
 }
@@ -3168,5 +3178,49 @@ fn a_join_refuses_an_admin_port_served_by_a_stranger() {
         "{err}"
     );
     assert!(!shm.exists(), "the refused join left its segment");
+    // With a router on the segment, the stranger's port is still refused: the router
+    // says which ports it serves, and this is not one of them.
+    let m = mock("m0");
+    std::fs::write(d.0.join("routes/a.toml"), route_for(&[m.addr()], "")).unwrap();
+    let a = start_serve(&d.0);
+    let cfg = d.0.join("warmroute.toml");
+    let join_with_admin = |admin: &str| {
+        Command::new(BIN)
+            .args(["serve", "--no-pin", "--join", "--workers", "1", "--config"])
+            .arg(&cfg)
+            .args(["--admin-listen", admin])
+            .stdin(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut refused = join_with_admin(&taken.to_string());
+    let t0 = Instant::now();
+    while refused.try_wait().unwrap().is_none() && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = refused.kill();
+    let out = refused.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "the join on a stranger's port started: {err}"
+    );
+    assert!(
+        err.contains(&format!("--join: {taken} is served by a process")),
+        "{err}"
+    );
+    // The control: the router's own admin port is shared.
+    let mut b = Proc {
+        child: join_with_admin(&a.admin.to_string()),
+        public: a.public,
+        admin: a.admin,
+        shm: a.shm.clone(),
+    };
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        b.child.try_wait().unwrap().is_none(),
+        "the join on the router's admin port runs"
+    );
     drop(stranger);
 }

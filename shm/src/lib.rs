@@ -33,7 +33,7 @@ use std::hint;
 use std::io;
 use std::mem::{align_of, size_of};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -170,9 +170,24 @@ struct WorkerRow {
     /// process serves (0 = not said), so that routers sharing the segment can tell when
     /// they serve different route sets.
     routes_digest: AtomicU64,
-    _pad: [AtomicU64; 3],
+    /// Writer: its process's main thread. The public and admin ports its process listens
+    /// on, `1 << 32 | public << 16 | admin`; 0 = not said. A takeover or join tells by them
+    /// whether a served port is one of the segment's routers' or a stranger's.
+    ports: AtomicU64,
+    _pad: [AtomicU64; 2],
 }
 const _: () = assert!(size_of::<WorkerRow>() == 64);
+
+impl WorkerRow {
+    /// Forget what the owner said of itself (core, routes, ports): a row given back or
+    /// reclaimed carries nothing of its last owner to the next (which may be a router from
+    /// before these fields, that would never overwrite them).
+    fn clear_said(&self) {
+        self.core.store(0, Ordering::Relaxed);
+        self.routes_digest.store(0, Ordering::Relaxed);
+        self.ports.store(0, Ordering::Relaxed);
+    }
+}
 
 /// Key part of a peer or route slot. Written once by the inserter, immutable once ready.
 #[repr(C)]
@@ -511,21 +526,47 @@ impl Segment {
         then: impl FnOnce(&Segment) -> io::Result<T>,
     ) -> io::Result<(Segment, T)> {
         let layout = Layout::new(caps)?;
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(path)?;
-        let _lock = FileLock::new(&file, true)?;
+        // The file whose lock is held must still be the one at `path`: a failed start
+        // removes the file it created (`remove_unused`, under this lock), and a segment
+        // opened from an unlinked file would be one that no other router can find.
+        for _ in 0..10 {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .open(path)?;
+            let _lock = FileLock::new(&file, true)?;
+            let same = match std::fs::metadata(path) {
+                Ok(m) => m.ino() == file.metadata()?.ino(),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+                Err(e) => return Err(e),
+            };
+            if same {
+                return Segment::open_or_create_locked(path, caps, layout, &file, then);
+            }
+        }
+        Err(io::Error::other(
+            "the segment file kept being removed while this process opened it",
+        ))
+    }
+
+    /// The rest of [`Segment::open_or_create_then`], with `file` open and locked.
+    fn open_or_create_locked<T>(
+        path: &Path,
+        caps: Capacities,
+        layout: Layout,
+        file: &File,
+        then: impl FnOnce(&Segment) -> io::Result<T>,
+    ) -> io::Result<(Segment, T)> {
         let len = file.metadata()?.len();
         // A file that was never a segment (a mistyped `shm_path` naming someone's data) is
         // not overwritten. One that starts with zeros may be a segment whose creation was
         // cut before its magic was stored: that one is made anew.
         if len > 0 {
             let mut first = [0u8; 8];
-            let n = std::os::unix::fs::FileExt::read_at(&file, &mut first, 0)?;
+            let n = std::os::unix::fs::FileExt::read_at(file, &mut first, 0)?;
             if first[..n] != MAGIC.to_le_bytes()[..n] && first[..n].iter().any(|&b| b != 0) {
                 return Err(io::Error::new(
                     io::ErrorKind::AlreadyExists,
@@ -537,7 +578,7 @@ impl Segment {
             }
         }
         if len >= size_of::<Header>() as u64 {
-            let map = map_file(&file, len)?;
+            let map = map_file(file, len)?;
             let info = read_header(&map).ok_or_else(|| io::Error::other("header not mapped"))?;
             let matches = info.magic == MAGIC
                 && info.version == LAYOUT_VERSION
@@ -577,7 +618,7 @@ impl Segment {
         // Reinitialise: truncating to zero zeroes every byte, so the tables start empty.
         file.set_len(0)?;
         file.set_len(layout.total_size)?;
-        let map = map_file(&file, layout.total_size)?;
+        let map = map_file(file, layout.total_size)?;
         {
             let h = &view::<Header>(&map, 0, 1)
                 .ok_or_else(|| io::Error::other("header not mapped"))?[0];
@@ -600,8 +641,26 @@ impl Segment {
     /// Attach to an existing segment reading caps from its header (for `warmroute status`);
     /// error if missing or invalid.
     pub fn open_existing(path: &Path) -> io::Result<Segment> {
+        Segment::open_existing_with(path, false, |_| Ok(())).map(|(seg, ())| seg)
+    }
+
+    /// [`Segment::open_existing`], then `then` on it under the file's exclusive lock (as
+    /// [`Segment::open_or_create_then`] does): a router sharing a segment of another size
+    /// claims its rows here, so that no start reinitialises the file meanwhile.
+    pub fn open_existing_then<T>(
+        path: &Path,
+        then: impl FnOnce(&Segment) -> io::Result<T>,
+    ) -> io::Result<(Segment, T)> {
+        Segment::open_existing_with(path, true, then)
+    }
+
+    fn open_existing_with<T>(
+        path: &Path,
+        exclusive: bool,
+        then: impl FnOnce(&Segment) -> io::Result<T>,
+    ) -> io::Result<(Segment, T)> {
         let file = OpenOptions::new().read(true).write(true).open(path)?;
-        let _lock = FileLock::new(&file, false)?;
+        let _lock = FileLock::new(&file, exclusive)?;
         let len = file.metadata()?.len();
         let bad = |why: String| invalid_data(format!("{}: {why}", path.display()));
         if len < size_of::<Header>() as u64 {
@@ -631,7 +690,37 @@ impl Segment {
                 info.caps, info.total_size
             )));
         }
-        Segment::from_map(map, path, info.caps, layout)
+        let seg = Segment::from_map(map, path, info.caps, layout)?;
+        let t = then(&seg)?;
+        Ok((seg, t))
+    }
+
+    /// Remove the segment file at `path` if no live process owns a worker row in it, under
+    /// its exclusive lock (so a router opening it meanwhile either finds the file gone and
+    /// makes a new one, or has claimed its rows first and keeps the file). For a start that
+    /// failed after creating the file. Ok(true) when it was removed.
+    pub fn remove_unused(path: &Path) -> io::Result<bool> {
+        let file = match OpenOptions::new().read(true).write(true).open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        let _lock = FileLock::new(&file, true)?;
+        let len = file.metadata()?.len();
+        if len >= size_of::<Header>() as u64 {
+            let map = map_file(&file, len)?;
+            let info = read_header(&map).ok_or_else(|| io::Error::other("header not mapped"))?;
+            if info.magic == MAGIC && !live_owners(&map, &info).is_empty() {
+                return Ok(false);
+            }
+        }
+        match std::fs::metadata(path) {
+            Ok(m) if m.ino() == file.metadata()?.ino() => {
+                std::fs::remove_file(path)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
     }
 
     fn from_map(map: MmapRaw, path: &Path, caps: Capacities, layout: Layout) -> io::Result<Self> {
@@ -761,8 +850,7 @@ impl Segment {
             let w = WorkerId(i as u32);
             self.zero_inflight(w);
             row.tag.store(tag, Ordering::Relaxed);
-            row.core.store(0, Ordering::Relaxed);
-            row.routes_digest.store(0, Ordering::Relaxed);
+            row.clear_said();
             row.heartbeat_ms.store(now_ms(), Ordering::Relaxed);
             row.claimed_ms.store(now_ms(), Ordering::Relaxed);
             self.header()
@@ -791,6 +879,7 @@ impl Segment {
             .is_ok()
         {
             self.zero_inflight(w);
+            row.clear_said();
             row.pid.store(0, Ordering::Release);
         }
     }
@@ -826,6 +915,7 @@ impl Segment {
                 .is_ok()
             {
                 self.zero_inflight(WorkerId(i as u32));
+                row.clear_said();
                 row.pid.store(0, Ordering::Release);
                 n += 1;
             }
@@ -868,6 +958,27 @@ impl Segment {
         self.worker_rows()[w.0 as usize]
             .routes_digest
             .store(digest, Ordering::Relaxed);
+    }
+
+    /// Record the public and admin ports worker `w`'s process listens on.
+    pub fn set_worker_ports(&self, w: WorkerId, public: u16, admin: u16) {
+        let v = 1 << 32 | u64::from(public) << 16 | u64::from(admin);
+        self.worker_rows()[w.0 as usize]
+            .ports
+            .store(v, Ordering::Relaxed);
+    }
+
+    /// `(pid, (public, admin) ports)` of every row with an owner; the ports `None` when the
+    /// owner has not said them (a router from before the field, or one still starting).
+    pub fn worker_ports(&self) -> Vec<(u32, Option<(u16, u16)>)> {
+        self.live_rows()
+            .filter_map(|(_, r)| {
+                let pid = owner(r.pid.load(Ordering::Acquire))?;
+                let v = r.ports.load(Ordering::Relaxed);
+                let ports = (v >> 32 == 1).then_some(((v >> 16) as u16, v as u16));
+                Some((pid, ports))
+            })
+            .collect()
     }
 
     /// The rows with an owner that has beaten within `quiet_ms` before `now_ms` (a live

@@ -1270,3 +1270,38 @@ fn beating_rows_report_core_and_routes_digest_and_leave_out_quiet_rows() {
     assert_eq!(c, a);
     assert!(s.beating_rows(now_ms(), 2_000).contains(&(c, None, 0)));
 }
+
+#[test]
+fn remove_unused_keeps_a_segment_with_a_live_owner_and_removes_one_without() {
+    let t = TempPath::new("remove");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let w = s.claim_worker(me(), 0).unwrap();
+    assert!(!Segment::remove_unused(&t.0).unwrap());
+    assert!(t.0.exists());
+    s.release_worker(w);
+    assert!(Segment::remove_unused(&t.0).unwrap());
+    assert!(!t.0.exists());
+    // Nothing there: nothing to do.
+    assert!(!Segment::remove_unused(&t.0).unwrap());
+}
+
+#[test]
+fn open_existing_then_runs_under_the_lock_and_ports_are_said_and_forgotten() {
+    let t = TempPath::new("existing-then");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let (other, w) = Segment::open_existing_then(&t.0, |seg| seg.claim_worker(me(), 0)).unwrap();
+    assert_eq!(s.worker_ports(), vec![(me(), None)]);
+    other.set_worker_ports(w, 8080, 8090);
+    assert_eq!(s.worker_ports(), vec![(me(), Some((8080, 8090)))]);
+    // Port 0 is a port said, not "not said".
+    other.set_worker_ports(w, 0, 0);
+    assert_eq!(s.worker_ports(), vec![(me(), Some((0, 0)))]);
+    // Given back: the next owner starts with nothing said.
+    s.set_worker_core(w, Some(1));
+    s.set_worker_routes_digest(w, 9);
+    s.release_worker(w);
+    let w2 = s.claim_worker(me(), 0).unwrap();
+    assert_eq!(w2, w);
+    assert_eq!(s.worker_ports(), vec![(me(), None)]);
+    assert!(s.beating_rows(now_ms(), 2_000).contains(&(w2, None, 0)));
+}

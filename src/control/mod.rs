@@ -102,11 +102,12 @@ impl Rounds {
     }
 }
 
-/// Routers sharing the segment (`--join`) that serve other routes than the lease holder:
-/// the holder probes, folds EWMAs and steps adaptive limits for its own routes only, so
-/// routes that only the others serve would go without. Said once per new set of differing
-/// digests that has lasted [`OTHER_ROUTES_MS`] (a reload reaches the routers a few seconds
-/// apart: each watches the files every second and publishes its digest every second).
+/// Routers sharing the segment (`--join`) that serve other routes or peers than the lease
+/// holder: the holder probes, folds EWMAs and steps adaptive limits for its own routes
+/// only, so routes that only the others serve would go without. Said once per new set of
+/// differing digests that has lasted [`OTHER_ROUTES_MS`]: a change reaches the routers
+/// some seconds apart (each watches the files every second, looks its peers' names up
+/// every 10 s and publishes its digest every second); a draining router publishes none.
 #[derive(Default)]
 struct OtherRoutes {
     /// The differing digests seen, and since when.
@@ -115,7 +116,7 @@ struct OtherRoutes {
     said: Vec<u64>,
 }
 
-const OTHER_ROUTES_MS: u64 = 5_000;
+const OTHER_ROUTES_MS: u64 = 20_000;
 
 impl OtherRoutes {
     fn check(&mut self, seg: &warmroute_shm::Segment, snap: &crate::snapshot::Snapshot, now: u64) {
@@ -139,10 +140,11 @@ impl OtherRoutes {
             tracing::warn!(
                 routes = snap.routes.len(),
                 other_route_sets = other.len(),
-                "routers sharing this segment serve other routes than this one: health checks, \
-                 EWMAs and adaptive limits run on the lease holder's routes only, so routes \
-                 that only the others serve go without; give every router on the segment the \
-                 same route files, and reload them together"
+                "routers sharing this segment have served other routes or peers than this \
+                 one for 20 s: health checks, EWMAs and adaptive limits run on the lease \
+                 holder's routes only, so routes and peers that only the others serve go \
+                 without; give every router on the segment the same route files, and reload \
+                 them together"
             );
             self.said = other;
         }

@@ -58,10 +58,10 @@ pub fn bind_shared(
 }
 
 /// How long a start waits for a port held by someone else to be let go before refusing.
-const PORT_FREE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+pub const PORT_FREE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Whether a plain bind of `addr` succeeds within `wait` (looking every 50 ms).
-fn freed_within(addr: SocketAddr, wait: std::time::Duration) -> bool {
+pub fn freed_within(addr: SocketAddr, wait: std::time::Duration) -> bool {
     let until = std::time::Instant::now() + wait;
     while std::time::Instant::now() < until {
         std::thread::sleep(std::time::Duration::from_millis(50));

@@ -12,6 +12,7 @@ pub mod contain;
 mod ctx;
 mod listen;
 pub use listen::served as port_served;
+pub use listen::{freed_within as port_freed_within, PORT_FREE_WAIT};
 mod notify;
 mod pin;
 pub mod quota;
@@ -357,9 +358,14 @@ fn worker_main(
             if stamped.elapsed() >= SLOT_STAMP {
                 stamped = Instant::now();
                 ctx.touch_slots(now);
-                shared
-                    .seg
-                    .set_worker_routes_digest(wid, ctx.snapshot().routes_digest);
+                // A draining router no longer reloads: its routes are the past, not a
+                // set the lease holder should warn about.
+                let digest = if shared.draining.load(Ordering::Acquire) {
+                    0
+                } else {
+                    ctx.snapshot().routes_digest
+                };
+                shared.seg.set_worker_routes_digest(wid, digest);
                 pin.rebalance(idx, &shared.seg, now);
             }
             shared.seg.heartbeat(wid, now);
