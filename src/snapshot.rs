@@ -208,9 +208,11 @@ pub struct Snapshot {
     pub routes_digest: u64,
 }
 
-/// A digest of `routes`: each route's name and its peers' segment slots, in name order.
-/// Two routers with the same routes and peers on one segment get the same value (the
-/// slots are the segment's, keyed by route, pool and address); never 0 (0 = not said).
+/// A digest of `routes`: each route's name, its options (keys left out) and its peers'
+/// segment slots and settings, in name and slot order. Two routers with the same route
+/// files on one segment get the same value (the slots are the segment's, keyed by route,
+/// pool and address, and the options print the same: their maps are ordered); never 0
+/// (0 = not said).
 pub fn routes_digest(routes: &[Arc<RouteRt>]) -> u64 {
     let mut named: Vec<&RouteRt> = routes.iter().map(|r| r.as_ref()).collect();
     named.sort_by(|a, b| a.name().cmp(b.name()));
@@ -218,10 +220,18 @@ pub fn routes_digest(routes: &[Arc<RouteRt>]) -> u64 {
     for r in named {
         h.update(r.name().as_bytes());
         h.update(&[0]);
-        let mut slots: Vec<u32> = r.all_peers().map(|p| p.slot.0).collect();
-        slots.sort_unstable();
-        for s in slots {
-            h.update(&s.to_le_bytes());
+        let mut opts = r.cfg.opts.clone();
+        opts.api_keys = None;
+        opts.upstream_api_key = None;
+        h.update(format!("{opts:?}").as_bytes());
+        let mut peers: Vec<&PeerRt> = r.all_peers().collect();
+        peers.sort_by_key(|p| p.slot.0);
+        for p in peers {
+            h.update(&p.slot.0.to_le_bytes());
+            h.update(&p.max_concurrency.to_le_bytes());
+            h.update(&p.priority.to_le_bytes());
+            h.update(p.probe.as_deref().unwrap_or("").as_bytes());
+            h.update(&[0]);
         }
         h.update(&[0xff]);
     }
@@ -512,6 +522,49 @@ mod tests {
         assert_eq!(a.rule_slots.iter().filter(|s| s.is_some()).count(), 2);
         assert!(snap.route("b").unwrap().rule_slots.is_empty());
         assert_eq!(seg.slots_taken().1, 16);
+    }
+
+    /// The same route files give the same digest, whatever order they load in; another
+    /// option, peer setting or key-free change gives another; the keys do not count.
+    #[test]
+    fn the_routes_digest_follows_routes_options_and_peers_but_not_keys() {
+        let path = std::env::temp_dir().join(format!(
+            "warmroute-snapshot-unit-{}-digest",
+            std::process::id()
+        ));
+        let seg = Segment::open_or_create(
+            &path,
+            warmroute_shm::Capacities {
+                workers: 1,
+                peers: 16,
+                routes: 64,
+            },
+        )
+        .unwrap();
+        let digest = |routes: &[(&str, &str)]| {
+            let cfg = crate::config::load_from_strs(None, routes)
+                .unwrap_or_else(|e| panic!("config: {e:?}"));
+            let keys = Arc::new(crate::auth::load_key_file(None));
+            Snapshot::build(Arc::new(cfg), keys, &seg, 1)
+                .unwrap()
+                .routes_digest
+        };
+        let peer = "peers = [ { host = \"127.0.0.1\", port = 8001 } ]\n";
+        let base = digest(&[("a", peer), ("b", peer)]);
+        assert_ne!(base, 0);
+        assert_eq!(digest(&[("b", peer), ("a", peer)]), base);
+        assert_ne!(digest(&[("a", peer)]), base);
+        let slower = format!("{peer}health_check_interval = 30\n");
+        assert_ne!(digest(&[("a", peer), ("b", slower.as_str())]), base);
+        let limited = "peers = [ { host = \"127.0.0.1\", port = 8001, max_concurrency = 3 } ]\n";
+        assert_ne!(digest(&[("a", peer), ("b", limited)]), base);
+        let keyed = format!("{peer}api_keys = {{ owner = \"sk-1\" }}\n");
+        let rekeyed = format!("{peer}api_keys = {{ owner = \"sk-2\" }}\n");
+        assert_eq!(
+            digest(&[("a", peer), ("b", keyed.as_str())]),
+            digest(&[("a", peer), ("b", rekeyed.as_str())])
+        );
+        let _ = std::fs::remove_file(&path);
     }
 
     #[test]
