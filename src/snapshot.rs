@@ -485,23 +485,25 @@ mod tests {
         assert_eq!(short, "chat//10.0.0.1:8000");
     }
 
+    /// A segment of `peers` and `routes` slots in a file of its own (the caller removes it).
+    fn unit_segment(tag: &str, peers: u32, routes: u32) -> (Segment, std::path::PathBuf) {
+        let path = std::env::temp_dir().join(format!(
+            "warmroute-snapshot-unit-{}-{tag}",
+            std::process::id()
+        ));
+        let caps = warmroute_shm::Capacities {
+            workers: 2,
+            peers,
+            routes,
+        };
+        (Segment::open_or_create(&path, caps).unwrap(), path)
+    }
+
     /// A configuration with more reject rules than free route slots still builds: every
     /// route gets its own rows first, and the rules left over go uncounted.
     #[test]
     fn rules_never_take_the_slots_routes_need() {
-        let path = std::env::temp_dir().join(format!(
-            "warmroute-snapshot-unit-{}-rules",
-            std::process::id()
-        ));
-        let seg = Segment::open_or_create(
-            &path,
-            warmroute_shm::Capacities {
-                workers: 2,
-                peers: 16,
-                routes: 16,
-            },
-        )
-        .unwrap();
+        let (seg, path) = unit_segment("rules", 16, 16);
         let peers =
             "peers = [ { host = \"127.0.0.1\", port = 8001 } ]\nreject_rules_enabled = true\n";
         let mut many = String::from(peers);
@@ -528,19 +530,7 @@ mod tests {
     /// option, peer setting or key-free change gives another; the keys do not count.
     #[test]
     fn the_routes_digest_follows_routes_options_and_peers_but_not_keys() {
-        let path = std::env::temp_dir().join(format!(
-            "warmroute-snapshot-unit-{}-digest",
-            std::process::id()
-        ));
-        let seg = Segment::open_or_create(
-            &path,
-            warmroute_shm::Capacities {
-                workers: 1,
-                peers: 16,
-                routes: 64,
-            },
-        )
-        .unwrap();
+        let (seg, path) = unit_segment("digest", 16, 64);
         let digest = |routes: &[(&str, &str)]| {
             let cfg = crate::config::load_from_strs(None, routes)
                 .unwrap_or_else(|e| panic!("config: {e:?}"));
