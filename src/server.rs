@@ -471,6 +471,7 @@ impl Router {
         );
         let opts = StartOptions {
             rows: rows.clone(),
+            cores,
             public: server.listen,
             admin: server.admin_listen,
             share_ports: overrides.takeover || overrides.join,

@@ -3049,25 +3049,11 @@ fn joined_routers_started_together_both_serve() {
         let shm = d.0.join("segment");
         let cfg = server_file(&d.0, p, a1, &shm);
         let spawn = |workers: &str, admin: u16| {
-            let n = std::fs::read_dir(&d.0).map(|d| d.count()).unwrap_or(0);
-            let err = std::fs::File::create(d.0.join(format!("router-{n}.log"))).unwrap();
-            Command::new(BIN)
-                .arg("serve")
-                .arg("--config")
-                .arg(&cfg)
-                .args([
-                    "--no-pin",
-                    "--access-log",
-                    "off",
-                    "--join",
-                    "--workers",
-                    workers,
-                ])
-                .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
-                .stdout(Stdio::null())
-                .stderr(err)
-                .spawn()
-                .unwrap()
+            let admin = format!("127.0.0.1:{admin}");
+            spawn_serve(
+                &cfg,
+                &["--join", "--workers", workers, "--admin-listen", &admin],
+            )
         };
         let (c1, c2) = (spawn("1", a1), spawn("40", a2));
         let public: SocketAddr = format!("127.0.0.1:{p}").parse().unwrap();

@@ -91,6 +91,9 @@ pub struct StartOptions {
     /// One worker per row claimed for this process in the segment, with the core it is
     /// pinned to (`None`: not pinned).
     pub rows: WorkerRows,
+    /// The affinity mask's cores the rows' cores were chosen from (empty: not pinned);
+    /// a worker moves among them ([`Pin::rebalance`]).
+    pub cores: Vec<usize>,
     pub public: SocketAddr,
     pub admin: SocketAddr,
     /// Share the ports with the routers already serving them (`--takeover`, `--join`)
@@ -149,12 +152,7 @@ impl Workers {
             started: Instant::now(),
             per_worker: (0..n).map(|_| WorkerCells::default()).collect(),
         });
-        let pinned = opts.rows.iter().any(|(_, c)| c.is_some());
-        let cores: Arc<[usize]> = if pinned {
-            mask_cores().into()
-        } else {
-            Arc::from([])
-        };
+        let cores: Arc<[usize]> = opts.cores.into();
         let mut senders = Vec::with_capacity(n);
         let mut handles = Vec::with_capacity(n);
         for (idx, ((pl, al), &(wid, core))) in
