@@ -41,16 +41,34 @@ pub fn render(path: &Path, config: Option<&Config>) -> std::io::Result<Status> {
     );
     let workers = seg.workers();
     let running = workers.iter().any(|(_, pid, _, _)| pid_alive(*pid));
-    let _ = writeln!(out, "\nWORKER  PID       TAG  ALIVE  HEARTBEAT_AGE_MS");
+    // Each row's core and the digest of its process's routes and peers: joined routers
+    // that serve other routes show another digest; a draining router, and a router from
+    // before these fields, show "-".
+    let details: HashMap<u32, (Option<usize>, u64)> = seg
+        .beating_rows(now, u64::MAX)
+        .into_iter()
+        .map(|(id, core, digest)| (id.0, (core, digest)))
+        .collect();
+    let _ = writeln!(
+        out,
+        "\nWORKER  PID       TAG  ALIVE  HEARTBEAT_AGE_MS  CORE  ROUTES"
+    );
     for (id, pid, tag, hb) in &workers {
+        let (core, digest) = details.get(&id.0).copied().unwrap_or((None, 0));
         let _ = writeln!(
             out,
-            "{:<7} {:<9} {:<4} {:<6} {}",
+            "{:<7} {:<9} {:<4} {:<6} {:<17} {:<5} {}",
             id.0,
             pid,
             tag,
             if pid_alive(*pid) { "yes" } else { "no" },
-            now.saturating_sub(*hb)
+            now.saturating_sub(*hb),
+            core.map_or_else(|| "-".to_string(), |c| c.to_string()),
+            if digest == 0 {
+                "-".to_string()
+            } else {
+                format!("{digest:016x}")
+            }
         );
     }
     if !running {

@@ -979,6 +979,68 @@ fn a_router_killed_while_draining_leaves_no_phantom_in_flight() {
     });
 }
 
+/// The worker rows of `warmroute status`: `(pid, alive, routes digest)` per row, the
+/// digest `"-"` when the row publishes none.
+fn status_workers(shm: &Path) -> Vec<(String, bool, String)> {
+    status_text(shm)
+        .lines()
+        .skip_while(|l| !l.starts_with("WORKER "))
+        .skip(1)
+        .take_while(|l| !l.trim().is_empty())
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() >= 7).then(|| (f[1].to_string(), f[3] == "yes", f[6].to_string()))
+        })
+        .collect()
+}
+
+/// A router draining after a takeover that changed the routes publishes no routes digest,
+/// so the new router's check for joined routers with other routes does not count it (a
+/// stream may keep it draining for minutes). `warmroute status` shows each row's digest.
+#[test]
+fn a_draining_router_publishes_no_routes_digest() {
+    let (d, m, old, _s) = serve_holding_one("drain-digest", 20_000);
+    let old_pid = old.child.id().to_string();
+    let digests_of = |pid: &str| -> Vec<String> {
+        status_workers(&old.shm)
+            .into_iter()
+            .filter(|(p, alive, _)| p == pid && *alive)
+            .map(|(_, _, digest)| digest)
+            .collect()
+    };
+    // The control: a serving router's rows carry its digest.
+    let before = digests_of(&old_pid);
+    assert!(!before.is_empty(), "the old router's rows");
+    assert!(
+        before.iter().all(|g| g.len() == 16 && g == &before[0]),
+        "one digest for the whole router: {before:?}"
+    );
+    // Other routes, then a takeover: the old router drains, holding the stream.
+    std::fs::write(d.0.join("routes/b.toml"), route_for(&[m.addr()], "")).unwrap();
+    let child = spawn_serve(&d.0.join("warmroute.toml"), &["--takeover"]);
+    let mut new = Proc {
+        child,
+        public: old.public,
+        admin: old.admin,
+        shm: old.shm.clone(),
+    };
+    assert!(wait_ready_or_exit(&mut new, &d.0), "the new router exited");
+    let new_pid = new.child.id().to_string();
+    eventually(Duration::from_secs(10), "the new router's digest", || {
+        let g = digests_of(&new_pid);
+        !g.is_empty() && g.iter().all(|g| g.len() == 16 && g != &before[0])
+    });
+    eventually(
+        Duration::from_secs(10),
+        "the draining router's rows without one",
+        || {
+            let g = digests_of(&old_pid);
+            !g.is_empty() && g.iter().all(|g| g == "-")
+        },
+    );
+    assert_eq!(m.stats().active, 1, "the old router still holds the stream");
+}
+
 fn chat_with_key(p: &Proc, route: &str, key: &str, extra: &str) -> Resp {
     request(
         p.public,
