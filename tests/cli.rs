@@ -109,20 +109,24 @@ fn spawn_serve_to(config: &Path, extra: &[&str], stderr: Stdio) -> Child {
 /// Start a router with `--takeover` (and `extra`) on `old`'s server file, wait for `old` to
 /// drain and exit cleanly, and return the new one.
 fn take_over(old: &mut Proc, dir: &Path, extra: &[&str]) -> Proc {
-    let mut args = extra.to_vec();
-    args.push("--takeover");
-    let child = spawn_serve(&dir.join("warmroute.toml"), &args);
-    let new = Proc {
-        child,
-        public: old.public,
-        admin: old.admin,
-        shm: old.shm.clone(),
-    };
+    let new = spawn_takeover(old, dir, extra);
     let status = old
         .wait_exit(Duration::from_secs(15))
         .expect("the old router drains and exits");
     assert!(status.success());
     new
+}
+
+/// A router started with `--takeover` (and `extra`) on `old`'s server file in `dir`.
+fn spawn_takeover(old: &Proc, dir: &Path, extra: &[&str]) -> Proc {
+    let mut args = extra.to_vec();
+    args.push("--takeover");
+    Proc {
+        child: spawn_serve(&dir.join("warmroute.toml"), &args),
+        public: old.public,
+        admin: old.admin,
+        shm: old.shm.clone(),
+    }
 }
 
 fn start_serve(dir: &Path) -> Proc {
@@ -943,13 +947,7 @@ fn a_crashed_router_leaves_no_phantom_in_flight() {
 fn a_router_killed_while_draining_leaves_no_phantom_in_flight() {
     let (d, m, mut old, s) = serve_holding_one("crash-drain", 20_000);
     let peer = m.addr().to_string();
-    let child = spawn_serve(&d.0.join("warmroute.toml"), &["--takeover"]);
-    let mut new = Proc {
-        child,
-        public: old.public,
-        admin: old.admin,
-        shm: old.shm.clone(),
-    };
+    let mut new = spawn_takeover(&old, &d.0, &[]);
     assert!(wait_ready_or_exit(&mut new, &d.0), "the new router exited");
     // Its readiness may be the old router's answer on the shared admin port: wait for its
     // rows in the segment too.
@@ -1017,13 +1015,7 @@ fn a_draining_router_publishes_no_routes_digest() {
     );
     // Other routes, then a takeover: the old router drains, holding the stream.
     std::fs::write(d.0.join("routes/b.toml"), route_for(&[m.addr()], "")).unwrap();
-    let child = spawn_serve(&d.0.join("warmroute.toml"), &["--takeover"]);
-    let mut new = Proc {
-        child,
-        public: old.public,
-        admin: old.admin,
-        shm: old.shm.clone(),
-    };
+    let mut new = spawn_takeover(&old, &d.0, &[]);
     assert!(wait_ready_or_exit(&mut new, &d.0), "the new router exited");
     let new_pid = new.child.id().to_string();
     eventually(Duration::from_secs(10), "the new router's digest", || {
