@@ -16,8 +16,9 @@ in time: they form a pair. Per case this prints, for each run and for all runs t
 
 bench/out is not committed. `--keep` writes each result's throughput rounds (party, case,
 round, requests, req/s, p99, proxy CPU) with its date, git, machine and command to
-bench/rounds/<same name>, a few KB, so a pooled figure quoted in bench/RESULTS.md can be
-recomputed from the repository: `python3 bench/pool.py bench/rounds/overhead-capped-*.json`.
+bench/rounds/<same name> (about 22 KB for a 16-round run of two cases), so a pooled figure
+quoted in bench/RESULTS.md can be recomputed from the repository:
+`python3 bench/pool.py bench/rounds/overhead-capped-*.json`.
 
 On a machine whose speed moves by a third from one round to the next, a single run of 8-12
 rounds has an interval about ±0.08 wide around a ratio near 1.2: pooling runs is how the
@@ -62,7 +63,7 @@ def interval(groups, reps=10000, seed=1):
     return stats[int(0.025 * reps)], stats[int(0.975 * reps) - 1]
 
 
-# Two-sided 95% quantiles of Student's t, by degrees of freedom (1-30; beyond, 1.96-2.04).
+# Two-sided 95% quantiles of Student's t, by degrees of freedom 1-30 (31-60: 2.0; beyond: 1.96).
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
        2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
@@ -73,7 +74,8 @@ def t_interval(xs):
     n = len(xs)
     m = sum(xs) / n
     sd = (sum((x - m) ** 2 for x in xs) / (n - 1)) ** 0.5
-    t = T95[n - 2] if n - 1 <= len(T95) else 1.96
+    df = n - 1
+    t = T95[df - 1] if df <= len(T95) else 2.0 if df <= 60 else 1.96
     return m, t * sd / n ** 0.5
 
 
