@@ -202,8 +202,8 @@ def section(results, a, b, cases, argv):
         f"- **Command of the runs**: {'; '.join(f'`{c}`' for c in cmds)}.",
         "- **Columns**: *median* is the median of the paired rounds' ratios (round k of each "
         "party ran back to back); *ratio* is A's mean req/s over B's, with a 95% bootstrap "
-        "interval that resamples each run's pairs within the run (10,000 resamples, fixed "
-        "seed); *CPU/req* is A's CPU per request over B's (the rounds' sums of "
+        "interval that resamples each run's pairs within the run (fixed seed; 10,000 "
+        "resamples for the pooled rows, 2,000 for a run's); *CPU/req* is A's CPU per request over B's (the rounds' sums of "
         "`/proc/TID/schedstat` time and requests); *p99* is the median of the paired rounds' "
         "p99 ratios. *The runs as samples* takes each run's ratio as one sample (mean, 95% t "
         "interval): the host moves between runs as well as between rounds, so this is the "
