@@ -22,7 +22,8 @@ quoted in bench/RESULTS.md can be recomputed from the repository:
 
 `--section` also writes what it printed as the `overhead-pooled` section of bench/RESULTS.md
 (between its markers, after the overhead-capped section), with each run's CPU per request
-and p99 against B's and the verdict against the 1.2x target:
+and p99 against B's and the verdict against the 1.2x target, and the chart
+bench/overhead-pooled.png (when matplotlib is installed):
 `python3 bench/pool.py --section bench/rounds/overhead-capped-*.json`.
 
 On a machine whose speed moves by a third from one round to the next, a single run of 8-12
@@ -257,6 +258,49 @@ def as_glob(argv, paths):
     return [a for a in argv if a not in named] + [pattern]
 
 
+def chart(figures, a, b, path):
+    """bench/overhead-pooled.png: per case, each run's ratio with its interval, the pooled
+    rounds and the run means taken as samples, against the 1.2x line. False when matplotlib
+    is not installed (the chart is optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    cases = [(c, f) for c, f in figures if f is not None]
+    fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4.2), squeeze=False)
+    for ax, (case, f) in zip(axes[0], cases):
+        ys = [r["mean"] for r in f["runs"]]
+        los = [r["mean"] - r["interval"][0] for r in f["runs"]]
+        his = [r["interval"][1] - r["mean"] for r in f["runs"]]
+        xs = list(range(1, len(ys) + 1))
+        ax.errorbar(xs, ys, yerr=[los, his], fmt="o", color="tab:blue", capsize=3,
+                    label="one run (95% bootstrap)")
+        n = len(xs) + 1.5
+        lo, hi = f["interval"]
+        ax.errorbar([n], [f["mean"]], yerr=[[f["mean"] - lo], [hi - f["mean"]]], fmt="s",
+                    color="tab:green", capsize=4, label="rounds pooled")
+        if f["samples"]:
+            m, h = f["samples"]
+            ax.errorbar([n + 1], [m], yerr=[[h], [h]], fmt="D", color="tab:red", capsize=4,
+                        label="run means as samples (95% t)")
+        ax.axhline(TARGET, color="gray", linestyle="--", linewidth=1, label=f"target {TARGET}×")
+        ax.axhline(1.0, color="lightgray", linewidth=1)
+        ax.set_xticks(xs + [n, n + 1] if f["samples"] else xs + [n])
+        ax.set_xticklabels([str(x) for x in xs] + (["pooled", "runs"] if f["samples"] else ["pooled"]),
+                           fontsize=8)
+        ax.set_title(f"{case}: {a} / {b} req/s", fontsize=10)
+        ax.set_xlabel("capped run")
+        ax.set_ylabel("req/s ratio")
+        ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def write_section(path, text):
     """Put `text` between the overhead-pooled markers of `path`: in place of the last one, or
     else after the overhead-capped section, or else at the end."""
@@ -336,8 +380,17 @@ def main():
         argv = [os.path.relpath(os.path.abspath(a), root)
                 if (a in files or a.endswith("-*.json")) and
                 os.path.abspath(a).startswith(root + os.sep) else a for a in argv]
-        write_section(md, section(results, args.a, args.b, cases, argv))
-        print(f"wrote the overhead-pooled section of {md}")
+        png = os.path.join(os.path.dirname(os.path.abspath(md)), "overhead-pooled.png")
+        figures = [(c, pool_case(results, args.a, args.b, c)) for c in cases]
+        text = section(results, args.a, args.b, cases, argv)
+        if chart(figures, args.a, args.b, png):
+            text += ("\n\n![pooled capped runs](overhead-pooled.png) — `bench/overhead-pooled.png`: "
+                     "each run's ratio, the rounds pooled and the run means as samples, against "
+                     f"the {TARGET}× line.")
+        else:
+            text += "\n\nChart: skipped (matplotlib is not installed)."
+        write_section(md, text)
+        print(f"wrote the overhead-pooled section of {md} and {png}")
 
 
 if __name__ == "__main__":
