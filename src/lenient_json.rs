@@ -22,7 +22,7 @@ pub const MAX_DEPTH: usize = 100;
 /// `body` parsed as JSON, repaired as the module says when `serde_json` refuses it as it
 /// is. `None` when it is not JSON even then.
 pub fn parse(body: &[u8]) -> Option<Value> {
-    match serde_json::from_slice(body) {
+    match crate::util::json_value(body) {
         Ok(v) => Some(v),
         Err(_) => {
             let text = body.strip_prefix(BOM).unwrap_or(body);
@@ -31,9 +31,9 @@ pub fn parse(body: &[u8]) -> Option<Value> {
                 return None;
             }
             match repaired(text) {
-                Some(fixed) => serde_json::from_slice(&fixed).ok(),
+                Some(fixed) => crate::util::json_value(&fixed).ok(),
                 // Only the byte-order mark was in the way.
-                None if text.len() < body.len() => serde_json::from_slice(text).ok(),
+                None if text.len() < body.len() => crate::util::json_value(text).ok(),
                 None => None,
             }
         }

@@ -253,7 +253,7 @@ fn parse_json(b: &[u8]) -> Option<Value> {
     if b.trim_ascii().first() != Some(&b'{') {
         return None;
     }
-    serde_json::from_slice(b)
+    crate::util::json_value(b)
         .ok()
         .filter(crate::util::json_numbers_exact)
 }

@@ -74,7 +74,7 @@ pub struct TransformReport {
 /// repaired copy, and edited in its own bytes as any other. The structural path, which
 /// re-encodes the decoded tree, is not taken from a copy: such a body is left as it is.
 pub fn apply(body: &[u8], opts: &TransformOptions) -> (Option<Vec<u8>>, TransformReport) {
-    match serde_json::from_slice::<Value>(body) {
+    match crate::util::json_value(body) {
         Ok(v) => apply_parsed(body, &v, opts),
         Err(_) => match crate::lenient_json::parse(body) {
             Some(v) if !(opts.messages_path && has_system_message(&v)) => {
@@ -888,6 +888,8 @@ fn usage_keys(data: &[u8]) -> impl Iterator<Item = usize> + '_ {
 /// for every whole event's joined data: a `"usage"` in the joined data lies within one data
 /// line (the join puts a `\n` between lines), and so do the bytes up to its value.
 fn first_possible_usage_object(s: &[u8]) -> Option<usize> {
+    #[cfg(test)]
+    tests::SEARCHED.with(|n| n.set(n.get() + s.len()));
     let blanks = |mut i: usize| {
         while matches!(s.get(i), Some(b' ' | b'\t')) {
             i += 1;
@@ -910,11 +912,14 @@ fn first_possible_usage_object(s: &[u8]) -> Option<usize> {
 /// and before the first possible usage object ([`first_possible_usage_object`]). One
 /// search over a whole read instead of one per event; events carrying `"usage":null`
 /// (include_usage on) qualify. `None` when not even one event does.
+///
+/// The usage search stops at the first `\r`: the filter calls this between every two
+/// events, so a search of the whole rest of the read made a stream of `\r\n` line ends
+/// quadratic in the read's size (a 16 KiB read of bare `\r` took 9 ms). A key cannot
+/// straddle a `\r`, and the search's look past a key reads a `\r` and the end alike.
 fn plain_run(rest: &[u8]) -> Option<usize> {
-    let mut limit = first_possible_usage_object(rest).unwrap_or(rest.len());
-    if let Some(r) = memchr::memchr(b'\r', &rest[..limit]) {
-        limit = r;
-    }
+    let scope = memchr::memchr(b'\r', rest).map_or(rest, |r| &rest[..r]);
+    let limit = first_possible_usage_object(scope).unwrap_or(scope.len());
     Some(memchr::memmem::rfind(&rest[..limit], b"\n\n")? + 2)
 }
 
@@ -935,7 +940,7 @@ enum DataLook {
 
 fn look_at_data(data: &[u8]) -> DataLook {
     if has_usage_object(data) {
-        match serde_json::from_slice::<Value>(data) {
+        match crate::util::json_value(data) {
             Ok(v) => {
                 let only = usage_only_value(&v);
                 let usage = v.get("usage").filter(|u| u.is_object()).cloned();
@@ -1328,6 +1333,33 @@ pub fn usage_from_sse(tail: &[u8]) -> Option<Usage> {
 
 #[cfg(test)]
 mod tests {
+    thread_local! {
+        /// Bytes [`super::first_possible_usage_object`] searched on this thread.
+        pub(super) static SEARCHED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
+    /// The usage filter's work grows with the stream, not with its square: a read of bare
+    /// `\r`, or of `\r\n`-ended events, is searched about once for `"usage"`, not once
+    /// per line end for the rest of the read. The control: the output is still the input.
+    #[test]
+    fn the_usage_filter_searches_a_crlf_read_once() {
+        let event = "data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\r\n\r\n";
+        for read in [vec![b'\r'; 256 * 1024], event.repeat(4096).into_bytes()] {
+            SEARCHED.with(|n| n.set(0));
+            let mut f = UsageFrameFilter::new();
+            let mut out = Vec::new();
+            f.feed(&read, &mut out);
+            f.finish(&mut out);
+            assert_eq!(out, read);
+            let searched = SEARCHED.with(|n| n.get());
+            assert!(
+                searched <= 2 * read.len(),
+                "{searched} bytes searched for a {}-byte read",
+                read.len()
+            );
+        }
+    }
+
     use super::*;
     use serde_json::json;
 
@@ -1460,6 +1492,69 @@ mod tests {
         let (out, rep) = run(&small, &o);
         assert!(rep.structural, "{out:?}");
         assert!(out.unwrap().contains(r#""seed":7"#));
+    }
+
+    /// Decimals keep their value through the structural path's re-encoding: each is read as
+    /// the double nearest to it (serde_json's `float_roundtrip`), the double an engine's
+    /// parser reads too. Without it `123456789.123456789e-20` came out one step off. (A
+    /// whole number beyond 64 bits, `451e92` among them, is the guard's case above.)
+    #[test]
+    fn the_structural_path_keeps_every_decimal_s_value() {
+        let o = TransformOptions {
+            messages_path: true,
+            ..ALL
+        };
+        let nums = [
+            "123456789.123456789e-20",
+            "1.00000000000000011102230246251565404236316680908203125",
+            "0.7",
+            "-3.141592653589793238462643383279",
+            "2.2250738585072011e-308",
+        ];
+        let body = format!(
+            r#"{{"t":[{}],"messages":[{{"role":"system","content":"s"}},{{"role":"user","content":"u"}}]}}"#,
+            nums.join(",")
+        );
+        let (out, rep) = run(&body, &o);
+        assert!(rep.structural, "{out:?}");
+        let v: Value = serde_json::from_str(&out.unwrap()).unwrap();
+        let got: Vec<f64> = v["t"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n.as_f64().unwrap())
+            .collect();
+        let want: Vec<f64> = nums.iter().map(|n| n.parse::<f64>().unwrap()).collect();
+        assert_eq!(got, want);
+    }
+
+    /// An object whose key is serde_json's raw-value token is an ordinary object to the
+    /// transforms: `stream_options` holding only that key has no `include_usage`, so the
+    /// router sets it (the engine would otherwise send no usage). Read by `Value` itself, the
+    /// object was taken for the text inside it, `include_usage: true`, and nothing was set.
+    #[test]
+    fn a_raw_value_key_does_not_hide_include_usage() {
+        let token = "$serde_json::private::RawValue";
+        let body = format!(
+            r#"{{"model":"m","messages":[],"stream_options":{{"{token}":"{{\"include_usage\":true}}"}},"stream":true}}"#
+        );
+        let (out, rep) = run(&body, &ALL);
+        let out = out.expect("include_usage is set");
+        assert!(rep.usage_injected, "{rep:?}");
+        let v: Value = crate::util::json_value(out.as_bytes()).unwrap();
+        assert_eq!(
+            v["stream_options"]["include_usage"],
+            Value::Bool(true),
+            "{out}"
+        );
+        assert_eq!(
+            v["stream_options"][token],
+            Value::String(r#"{"include_usage":true}"#.into())
+        );
+        // The control: a real `include_usage: true` is left as it is.
+        let real =
+            r#"{"model":"m","messages":[],"stream_options":{"include_usage":true},"stream":true}"#;
+        assert_eq!(run(real, &ALL).0, None);
     }
 
     #[test]

@@ -197,7 +197,7 @@ struct Extract {
 /// reason; `None` → keep the raw body.
 fn extract(body: &[u8]) -> Option<(Extract, bool)> {
     let mut e = Extract::default();
-    if let Ok(v @ Value::Object(_)) = serde_json::from_slice::<Value>(body) {
+    if let Ok(v @ Value::Object(_)) = crate::util::json_value(body) {
         e.absorb(&v);
         if e.found() {
             return Some((e, false));
@@ -217,7 +217,7 @@ fn extract(body: &[u8]) -> Option<(Extract, bool)> {
         if payload.is_empty() || payload == b"[DONE]" {
             continue;
         }
-        if let Ok(v) = serde_json::from_slice::<Value>(payload) {
+        if let Ok(v) = crate::util::json_value(payload) {
             e.absorb(&v);
         }
     }

@@ -115,7 +115,7 @@ pub fn parse_header(value: Option<&[u8]>) -> Result<SessionHeader, NoHdr> {
     if raw.iter().all(u8::is_ascii_whitespace) {
         return Err(NoHdr::Missing);
     }
-    let v: serde_json::Value = serde_json::from_slice(raw).map_err(|_| NoHdr::Malformed)?;
+    let v = crate::util::json_value(raw).map_err(|_| NoHdr::Malformed)?;
     let obj = v.as_object().ok_or(NoHdr::Malformed)?;
     let sid = obj
         .get("session_id")

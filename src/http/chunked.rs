@@ -23,8 +23,11 @@ enum State {
     Size {
         digits: u8,
     },
-    /// After the digits: optional whitespace and `;ext`, up to CR.
-    SizeRest,
+    /// After the digits: optional whitespace, then `;` (extensions) or the CR. `ext`: a `;`
+    /// was seen, and the rest of the line is extensions.
+    SizeRest {
+        ext: bool,
+    },
     /// Expecting LF after the size line's CR.
     SizeLf,
     /// `n` data bytes remain in this chunk.
@@ -114,19 +117,30 @@ impl ChunkedDecoder {
                     } else if b == b'\n' {
                         return Err(ChunkError::BadDelimiter);
                     } else if b == b';' || b == b' ' || b == b'\t' {
-                        self.state = State::SizeRest;
+                        self.state = State::SizeRest { ext: b == b';' };
                         self.line_bytes += 1;
                     } else {
                         return Err(ChunkError::BadSize);
                     }
                     i += 1;
                 }
-                State::SizeRest => {
+                State::SizeRest { ext } => {
                     if b == b'\r' {
                         self.state = State::SizeLf;
                     } else if b == b'\n' {
                         return Err(ChunkError::BadDelimiter);
+                    } else if !ext && b != b' ' && b != b'\t' && b != b';' {
+                        // RFC 9112 §7.1: after the size only whitespace and extensions.
+                        // `5 5` or `5 junk` read as 5 here and as something else by
+                        // another parser of the same stream is how requests get smuggled.
+                        return Err(ChunkError::BadSize);
+                    } else if (b < 0x20 && b != b'\t') || b == 0x7f {
+                        // Control bytes in an extension: tokens and quoted strings have none.
+                        return Err(ChunkError::BadSize);
                     } else {
+                        if b == b';' {
+                            self.state = State::SizeRest { ext: true };
+                        }
                         self.line_bytes += 1;
                         if self.line_bytes > CHUNK_LINE_BYTES_MAX {
                             return Err(ChunkError::BadSize);
@@ -309,6 +323,50 @@ mod tests {
             decode_all(&big, 1000).unwrap_err(),
             ChunkError::TrailersTooLarge
         );
+    }
+
+    /// After a chunk's size, only whitespace and `;` extensions: the size line's tail was
+    /// skipped whatever it held, so `5 5` and `5 junk` read as a 5-byte chunk. The control:
+    /// the lines RFC 9112 allows (and a trailing blank, as other servers accept) still read.
+    #[test]
+    fn a_size_line_holds_only_whitespace_and_extensions_after_the_size() {
+        for line in [
+            &b"5 5"[..],
+            b"5 junk",
+            b"5\t\x01\x7f;;",
+            b"5;a=\x01",
+            b"5 ;a\x7f",
+        ] {
+            let mut wire = line.to_vec();
+            wire.extend_from_slice(b"\r\nhello\r\n0\r\n\r\n");
+            for step in [1, 3, 100] {
+                assert_eq!(
+                    decode_all(&wire, step).unwrap_err(),
+                    ChunkError::BadSize,
+                    "{line:?}"
+                );
+            }
+        }
+        for line in [
+            &b"5"[..],
+            b"5 ",
+            b"5\t ",
+            b"5;a",
+            b"5 ; a = 1",
+            b"5;a=\"b c\";d",
+            b"5;name=\xc3\xa9",
+        ] {
+            let mut wire = line.to_vec();
+            wire.extend_from_slice(b"\r\nhello\r\n0\r\n\r\n");
+            for step in [1, 3, 100] {
+                let (data, used, done) = decode_all(&wire, step).expect("a valid size line");
+                assert_eq!(
+                    (&data[..], used, done),
+                    (&b"hello"[..], wire.len(), true),
+                    "{line:?}"
+                );
+            }
+        }
     }
 
     #[test]
