@@ -182,8 +182,9 @@ def fmt(x, spec=".2f", suffix="×"):
     return "—" if x is None else f"{x:{spec}}{suffix}"
 
 
-def section(results, a, b, cases, argv):
-    """The overhead-pooled section of bench/RESULTS.md (Markdown)."""
+def section(results, a, b, figures, argv):
+    """The overhead-pooled section of bench/RESULTS.md (Markdown); `figures` is
+    `[(case, pool_case(...))]`."""
     gits = sorted({res.get("git", "?") for _, res in results})
     dates = sorted(res.get("date", "?") for _, res in results)
     kernels = sorted({(res.get("machine") or {}).get("kernel", "?") for _, res in results})
@@ -211,8 +212,7 @@ def section(results, a, b, cases, argv):
         "wider interval and the one the verdict reads.",
         "",
     ]
-    for case in cases:
-        f = pool_case(results, a, b, case)
+    for case, f in figures:
         lines.append(f"### {case}")
         lines.append("")
         if f is None:
@@ -345,10 +345,11 @@ def main():
     for path in args.results:
         with open(path) as f:
             results.append((path, json.load(f)))
-    cases = args.cases.split(",")
-    for case in cases:
+    # Each case's figures once: the bootstrap is the slow part, and the printout, the
+    # section and the chart all read the same figures.
+    figures = [(c, pool_case(results, args.a, args.b, c)) for c in args.cases.split(",")]
+    for case, f in figures:
         print(f"{case}: {args.a} / {args.b}")
-        f = pool_case(results, args.a, args.b, case)
         if f is None:
             print("  no paired rounds")
             continue
@@ -381,8 +382,7 @@ def main():
                 if (a in files or a.endswith("-*.json")) and
                 os.path.abspath(a).startswith(root + os.sep) else a for a in argv]
         png = os.path.join(os.path.dirname(os.path.abspath(md)), "overhead-pooled.png")
-        figures = [(c, pool_case(results, args.a, args.b, c)) for c in cases]
-        text = section(results, args.a, args.b, cases, argv)
+        text = section(results, args.a, args.b, figures, argv)
         if chart(figures, args.a, args.b, png):
             text += ("\n\n![pooled capped runs](overhead-pooled.png) — `bench/overhead-pooled.png`: "
                      "each run's ratio, the rounds pooled and the run means as samples, against "
