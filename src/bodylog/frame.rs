@@ -146,8 +146,7 @@ pub fn decode(buf: &[u8]) -> Result<Option<(Record, usize)>, DecodeError> {
     if cur.pos != body.len() {
         return Err(DecodeError::TrailingBytes(body.len() - cur.pos));
     }
-    let meta: serde_json::Value =
-        serde_json::from_slice(meta).map_err(|e| DecodeError::BadMeta(e.to_string()))?;
+    let meta = crate::util::json_value(meta).map_err(|e| DecodeError::BadMeta(e.to_string()))?;
     Ok(Some((
         Record {
             meta,
