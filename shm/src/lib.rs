@@ -866,11 +866,14 @@ impl Segment {
         )))
     }
 
-    /// Zero the row's in-flight counts and free it.
+    /// Zero the row's in-flight counts and free it, if this process owns it. A row freed
+    /// once may be claimed by another router at once, so a second release of it (a worker
+    /// gives its row back as it stops, and a failed start gives back every row it claimed)
+    /// must leave the new owner's row alone.
     pub fn release_worker(&self, w: WorkerId) {
         let row = &self.worker_rows()[w.0 as usize];
         let v = row.pid.load(Ordering::Acquire);
-        if v == 0 || v & RESETTING != 0 {
+        if v != std::process::id() {
             return;
         }
         if row

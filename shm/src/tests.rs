@@ -381,6 +381,29 @@ fn abandoned_slot_write_is_skipped() {
     assert_eq!(s.peer_slot(&other).map(|q| q.0 as usize), Some(start));
 }
 
+/// A second release of a row, after another router claimed it, leaves the new owner's row
+/// alone: a failed start gives back rows its workers already gave back as they stopped.
+#[test]
+fn a_release_frees_only_a_row_this_process_owns() {
+    let t = TempPath::new("release-own");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let mine = s.claim_worker(me(), 0).unwrap();
+    s.release_worker(mine);
+    assert!(
+        s.workers().is_empty(),
+        "control: this process's row is freed"
+    );
+    // Another live process (the test runner's parent) claims the freed row.
+    let other = std::os::unix::process::parent_id();
+    assert!(pid_alive(other));
+    let theirs = s.claim_worker(other, 7).unwrap();
+    assert_eq!(theirs, mine, "the freed row is the first free one");
+    s.release_worker(mine);
+    let rows = s.workers();
+    assert_eq!(rows.len(), 1, "the other process's row is still owned");
+    assert_eq!((rows[0].0, rows[0].1, rows[0].2), (theirs, other, 7));
+}
+
 #[test]
 fn inflight_sums_across_workers() {
     let t = TempPath::new("inflight");

@@ -125,11 +125,30 @@ pub fn default_worker_count() -> usize {
     mask.min(par).max(1)
 }
 
+/// The drain that stops the workers of a start that failed part-way.
+const PARTIAL_START_DRAIN: Duration = Duration::from_secs(2);
+
+/// Starts a worker thread: `std::thread::Builder::spawn`, or a stand-in in tests.
+type Spawn<'a> = dyn FnMut(std::thread::Builder, Box<dyn FnOnce() + Send + 'static>) -> io::Result<JoinHandle<()>>
+    + 'a;
+
 impl Workers {
+    /// Bind the listeners and start one worker thread per row. When a thread cannot be
+    /// started, the workers already running are stopped and joined before the error
+    /// returns, so that the caller can give their rows and ports back.
     pub fn start(
         opts: StartOptions,
         snapshot: Arc<Snapshot>,
         seg: Arc<Segment>,
+    ) -> io::Result<Workers> {
+        Self::start_with(opts, snapshot, seg, &mut |b, f| b.spawn(f))
+    }
+
+    fn start_with(
+        opts: StartOptions,
+        snapshot: Arc<Snapshot>,
+        seg: Arc<Segment>,
+        spawn: &mut Spawn<'_>,
     ) -> io::Result<Workers> {
         let n = opts.rows.len();
         if n == 0 {
@@ -160,17 +179,37 @@ impl Workers {
         {
             let (tx, rx) = crossbeam_channel::bounded(4);
             senders.push(tx);
-            let shared = shared.clone();
+            let theirs = shared.clone();
             let snap = snapshot.clone();
             let cores = cores.clone();
             let log = opts.access_log.clone();
-            let h = std::thread::Builder::new()
-                .name(format!("warmroute-w{idx}"))
-                .spawn(move || {
+            let builder = std::thread::Builder::new().name(format!("warmroute-w{idx}"));
+            let started = spawn(
+                builder,
+                Box::new(move || {
                     let pin = Pin { wid, core, cores };
-                    worker_main(idx, pin, pl, al, rx, shared, snap, log)
-                })?;
-            handles.push(h);
+                    worker_main(idx, pin, pl, al, rx, theirs, snap, log)
+                }),
+            );
+            match started {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    // Stop the workers already serving: with nothing in flight each stops
+                    // once its accept loops have closed its listeners (100 ms without a
+                    // new connection), and gives its row back. Not a zero drain: a worker
+                    // past its drain deadline stops without waiting for its accept loops,
+                    // and a listener whose loop was still waiting then stayed open in this
+                    // process (the unit test below saw it) after the thread had ended.
+                    let partial = Workers {
+                        shared,
+                        senders,
+                        handles,
+                    };
+                    partial.drain(PARTIAL_START_DRAIN);
+                    partial.join();
+                    return Err(e);
+                }
+            }
         }
         Ok(Workers {
             shared,
@@ -522,4 +561,124 @@ fn serve(
             );
         },
     ));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A segment of two worker rows in a file of its own, removed on drop.
+    struct TwoRows(Arc<Segment>, std::path::PathBuf);
+
+    impl TwoRows {
+        fn new(tag: &str) -> TwoRows {
+            let path = std::env::temp_dir().join(format!(
+                "warmroute-worker-unit-{}-{tag}",
+                std::process::id()
+            ));
+            let caps = warmroute_shm::Capacities {
+                workers: 2,
+                peers: 4,
+                routes: 16,
+            };
+            TwoRows(
+                Arc::new(Segment::open_or_create(&path, caps).unwrap()),
+                path,
+            )
+        }
+    }
+
+    impl Drop for TwoRows {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.1);
+        }
+    }
+
+    /// A loopback port nobody listens on (bound and let go).
+    fn free_port() -> u16 {
+        TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    fn start_two(seg: &Arc<Segment>, public: u16, spawn: &mut Spawn<'_>) -> io::Result<Workers> {
+        let cfg = crate::config::load_from_strs(
+            None,
+            &[("a", "peers = [ { host = \"127.0.0.1\", port = 9 } ]\n")],
+        )
+        .unwrap_or_else(|e| panic!("config: {e:?}"));
+        let keys = Arc::new(crate::auth::load_key_file(None));
+        let snapshot = Arc::new(Snapshot::build(Arc::new(cfg), keys, seg, 1).unwrap());
+        let me = std::process::id();
+        let rows = (0..2)
+            .map(|i| (seg.claim_worker(me, i).unwrap(), None))
+            .collect();
+        let opts = StartOptions {
+            rows,
+            cores: Vec::new(),
+            public: SocketAddr::from(([127, 0, 0, 1], public)),
+            admin: "127.0.0.1:0".parse().unwrap(),
+            share_ports: false,
+            access_log: AccessLogTarget::Off,
+        };
+        Workers::start_with(opts, snapshot, seg.clone(), spawn)
+    }
+
+    /// A thread that cannot be started part-way through: the worker already started is
+    /// stopped and joined before the error returns, so its port is free and its row given
+    /// back. Control: with both threads started the port is taken and both rows are owned.
+    #[test]
+    fn a_failed_thread_start_stops_the_workers_already_started() {
+        let t = TwoRows::new("spawn-fails");
+        let port = free_port();
+        let ran = Arc::new(AtomicBool::new(false));
+        let mut calls = 0;
+        let ran_in = ran.clone();
+        let mut second_fails = |b: std::thread::Builder, f: Box<dyn FnOnce() + Send>| {
+            calls += 1;
+            if calls == 2 {
+                return Err(io::Error::other("no more threads"));
+            }
+            let ran = ran_in.clone();
+            b.spawn(move || {
+                ran.store(true, Ordering::Release);
+                f()
+            })
+        };
+        let err = start_two(&t.0, port, &mut second_fails)
+            .err()
+            .expect("an error");
+        assert_eq!(err.to_string(), "no more threads");
+        assert!(ran.load(Ordering::Acquire), "the first worker ran");
+        assert!(
+            TcpListener::bind(("127.0.0.1", port)).is_ok(),
+            "the first worker's listener is closed"
+        );
+        let owned: Vec<u32> = t.0.workers().iter().map(|r| r.0 .0).collect();
+        assert_eq!(
+            owned,
+            [1],
+            "the first worker gave its row back; the caller owns the other"
+        );
+        t.0.release_worker(WorkerId(1));
+
+        // Control: both started.
+        let port = free_port();
+        let workers = start_two(&t.0, port, &mut |b, f| b.spawn(f)).expect("started");
+        let until = Instant::now() + Duration::from_secs(10);
+        while !workers.shared.ready() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(workers.shared.ready(), "both workers ready");
+        assert!(
+            TcpListener::bind(("127.0.0.1", port)).is_err(),
+            "the port is served"
+        );
+        assert_eq!(t.0.workers().len(), 2);
+        workers.drain(Duration::ZERO);
+        workers.join();
+        assert!(t.0.workers().is_empty(), "each worker gave its row back");
+    }
 }
