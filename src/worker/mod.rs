@@ -125,9 +125,6 @@ pub fn default_worker_count() -> usize {
     mask.min(par).max(1)
 }
 
-/// The drain that stops the workers of a start that failed part-way.
-const PARTIAL_START_DRAIN: Duration = Duration::from_secs(2);
-
 /// Starts a worker thread: `std::thread::Builder::spawn`, or a stand-in in tests.
 type Spawn<'a> = dyn FnMut(std::thread::Builder, Box<dyn FnOnce() + Send + 'static>) -> io::Result<JoinHandle<()>>
     + 'a;
@@ -195,17 +192,14 @@ impl Workers {
                 Ok(h) => handles.push(h),
                 Err(e) => {
                     // Stop the workers already serving: with nothing in flight each stops
-                    // once its accept loops have closed its listeners (100 ms without a
-                    // new connection), and gives its row back. Not a zero drain: a worker
-                    // past its drain deadline stops without waiting for its accept loops,
-                    // and a listener whose loop was still waiting then stayed open in this
-                    // process (the unit test below saw it) after the thread had ended.
+                    // once its accept loops have closed its listeners, and gives its row
+                    // back.
                     let partial = Workers {
                         shared,
                         senders,
                         handles,
                     };
-                    partial.drain(PARTIAL_START_DRAIN);
+                    partial.drain(Duration::ZERO);
                     partial.join();
                     return Err(e);
                 }
@@ -387,6 +381,8 @@ fn worker_main(
         shared.workers_ready.fetch_add(1, Ordering::AcqRel);
         let mut log_reopens = shared.log_reopens.load(Ordering::Acquire);
         let mut stamped = Instant::now();
+        // When this worker saw the drain (ms), to bound its wait for the accept loops.
+        let mut drain_fired_at: Option<u64> = None;
         ctx.touch_slots(warmroute_shm::now_ms());
         loop {
             monoio::time::sleep(TICK).await;
@@ -421,15 +417,24 @@ fn worker_main(
                 ctx.access_log.borrow_mut().reopen(&log);
             }
             if shared.draining.load(Ordering::Acquire) {
-                if !ctx.drain.is_fired() {
-                    ctx.drain.fire();
-                    tracing::info!(worker = idx, conns = ctx.active_conns.get(), "draining");
-                }
+                let fired = *drain_fired_at.get_or_insert_with(|| {
+                    if !ctx.drain.is_fired() {
+                        ctx.drain.fire();
+                        tracing::info!(worker = idx, conns = ctx.active_conns.get(), "draining");
+                    }
+                    now
+                });
                 // Responses still going at the deadline end there themselves (the relay
                 // waits no later) and log their line; a tick later the worker stops.
                 let deadline = shared.drain_deadline_ms.load(Ordering::Acquire);
                 let past = deadline + DRAIN_CUT_GRACE.as_millis() as u64;
-                if (ctx.active_conns.get() == 0 && ctx.accepting.get() == 0) || now >= past {
+                // Past the deadline too, the worker waits for its accept loops to close
+                // their listeners (they take the connections already queued first, for
+                // at most DRAIN_ACCEPT_MAX): a loop still parked when the runtime ends
+                // leaves its listener open in the process, and the port taken.
+                let listeners_closed = ctx.accepting.get() == 0
+                    || now >= fired + LISTENERS_CLOSE_WAIT.as_millis() as u64;
+                if listeners_closed && (ctx.active_conns.get() == 0 || now >= past) {
                     break;
                 }
             }
@@ -538,6 +543,11 @@ const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(10);
 const DRAIN_ACCEPT_QUIET: Duration = Duration::from_millis(100);
 const DRAIN_ACCEPT_MAX: Duration = Duration::from_millis(500);
 
+/// The most a draining worker waits for its accept loops to close their listeners: the
+/// longest a loop can take (its last accept may start just before DRAIN_ACCEPT_MAX and wait
+/// DRAIN_ACCEPT_QUIET), and a margin.
+const LISTENERS_CLOSE_WAIT: Duration = Duration::from_millis(1_000);
+
 fn serve(
     ctx: &Rc<WorkerCtx>,
     stream: monoio::net::TcpStream,
@@ -626,9 +636,19 @@ mod tests {
         Workers::start_with(opts, snapshot, seg.clone(), spawn)
     }
 
+    /// Whether a plain bind of the loopback `port` succeeds within 2 s: the kernel closes
+    /// an io_uring's files a moment after the ring is gone (about 10 ms here), so a port
+    /// its worker has let go can still look taken right after the join.
+    fn port_freed(port: u16) -> bool {
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        TcpListener::bind(addr).is_ok() || listen::freed_within(addr, Duration::from_secs(2))
+    }
+
     /// A thread that cannot be started part-way through: the worker already started is
-    /// stopped and joined before the error returns, so its port is free and its row given
-    /// back. Control: with both threads started the port is taken and both rows are owned.
+    /// stopped (a zero drain) and joined before the error returns, so its port is free and
+    /// its row given back. The worker that drains at once still waits for its accept loops
+    /// to close its listeners. Control: with both threads started the port is taken and both
+    /// rows are owned, until a zero drain.
     #[test]
     fn a_failed_thread_start_stops_the_workers_already_started() {
         let t = TwoRows::new("spawn-fails");
@@ -652,10 +672,7 @@ mod tests {
             .expect("an error");
         assert_eq!(err.to_string(), "no more threads");
         assert!(ran.load(Ordering::Acquire), "the first worker ran");
-        assert!(
-            TcpListener::bind(("127.0.0.1", port)).is_ok(),
-            "the first worker's listener is closed"
-        );
+        assert!(port_freed(port), "the first worker's listener is closed");
         let owned: Vec<u32> = t.0.workers().iter().map(|r| r.0 .0).collect();
         assert_eq!(
             owned,
@@ -680,5 +697,6 @@ mod tests {
         workers.drain(Duration::ZERO);
         workers.join();
         assert!(t.0.workers().is_empty(), "each worker gave its row back");
+        assert!(port_freed(port), "a zero drain closes the listeners too");
     }
 }
