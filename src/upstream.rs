@@ -113,6 +113,12 @@ impl UpstreamPool {
         });
     }
 
+    /// Close every idle connection (a stopping worker, while its runtime can still submit
+    /// the closes).
+    pub fn clear(&mut self) {
+        self.idle.clear();
+    }
+
     pub fn idle_count(&self) -> usize {
         self.idle.iter().map(|(_, l)| l.len()).sum()
     }

@@ -439,7 +439,13 @@ fn worker_main(
                 }
             }
         }
-        // The worker is done serving: a stuck stderr may hold it up to a second here.
+        // The worker is done serving. Its idle upstream connections close now: the tasks
+        // still parked when the runtime ends keep the worker's state, and with it the pool,
+        // alive until the process exits, so a peer would see them open until then. A turn
+        // of the runtime submits the closes.
+        ctx.upstreams.borrow_mut().clear();
+        monoio::time::sleep(Duration::from_millis(1)).await;
+        // A stuck stderr may hold the worker up to a second here.
         ctx.access_log.borrow_mut().finish(Duration::from_secs(1));
         if let Some(sender) = ctx.bodylog() {
             sender.stop();
@@ -614,11 +620,19 @@ mod tests {
     }
 
     fn start_two(seg: &Arc<Segment>, public: u16, spawn: &mut Spawn<'_>) -> io::Result<Workers> {
-        let cfg = crate::config::load_from_strs(
-            None,
-            &[("a", "peers = [ { host = \"127.0.0.1\", port = 9 } ]\n")],
-        )
-        .unwrap_or_else(|e| panic!("config: {e:?}"));
+        start_two_to(seg, public, 9, spawn)
+    }
+
+    /// Two workers on `public` in front of one peer at 127.0.0.1:`peer` (route `a`).
+    fn start_two_to(
+        seg: &Arc<Segment>,
+        public: u16,
+        peer: u16,
+        spawn: &mut Spawn<'_>,
+    ) -> io::Result<Workers> {
+        let route = format!("peers = [ {{ host = \"127.0.0.1\", port = {peer} }} ]\n");
+        let cfg = crate::config::load_from_strs(None, &[("a", route.as_str())])
+            .unwrap_or_else(|e| panic!("config: {e:?}"));
         let keys = Arc::new(crate::auth::load_key_file(None));
         let snapshot = Arc::new(Snapshot::build(Arc::new(cfg), keys, seg, 1).unwrap());
         let me = std::process::id();
@@ -698,5 +712,93 @@ mod tests {
         workers.join();
         assert!(t.0.workers().is_empty(), "each worker gave its row back");
         assert!(port_freed(port), "a zero drain closes the listeners too");
+    }
+
+    /// A peer that answers every request with `200 {}` and keeps the connection, and says
+    /// on `events` when a connection that carried a POST closes.
+    fn keepalive_peer(events: std::sync::mpsc::Sender<&'static str>) -> u16 {
+        use std::io::{BufRead, BufReader, Read, Write};
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { return };
+                let events = events.clone();
+                std::thread::spawn(move || {
+                    let mut out = conn.try_clone().unwrap();
+                    let mut rd = BufReader::new(conn);
+                    let mut posted = false;
+                    loop {
+                        let mut line = String::new();
+                        if rd.read_line(&mut line).unwrap_or(0) == 0 {
+                            break;
+                        }
+                        posted |= line.starts_with("POST ");
+                        let mut length = 0usize;
+                        loop {
+                            let mut h = String::new();
+                            if rd.read_line(&mut h).unwrap_or(0) == 0 || h == "\r\n" {
+                                break;
+                            }
+                            if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:")
+                            {
+                                length = v.trim().parse().unwrap_or(0);
+                            }
+                        }
+                        let mut body = vec![0; length];
+                        if rd.read_exact(&mut body).is_err() {
+                            break;
+                        }
+                        let reply = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}";
+                        if out.write_all(reply.as_bytes()).is_err() {
+                            break;
+                        }
+                    }
+                    if posted {
+                        let _ = events.send("closed");
+                    }
+                });
+            }
+        });
+        port
+    }
+
+    /// A stopping worker closes its idle upstream connections: the peer sees the pooled
+    /// connection end when the workers are joined, not when the process exits. Control: it
+    /// stays open while the workers serve.
+    #[test]
+    fn a_stopping_worker_closes_its_pooled_upstream_connections() {
+        use std::io::{Read, Write};
+        let t = TwoRows::new("pool-close");
+        let (tx, events) = std::sync::mpsc::channel();
+        let peer = keepalive_peer(tx);
+        let port = free_port();
+        let workers = start_two_to(&t.0, port, peer, &mut |b, f| b.spawn(f)).expect("started");
+        let until = Instant::now() + Duration::from_secs(10);
+        while !workers.shared.ready() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+        let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(
+            c,
+            "POST /a/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut reply = String::new();
+        c.read_to_string(&mut reply).unwrap();
+        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+        assert!(
+            events.recv_timeout(Duration::from_millis(300)).is_err(),
+            "control: the upstream connection is kept while the worker serves"
+        );
+        workers.drain(Duration::ZERO);
+        workers.join();
+        assert_eq!(
+            events.recv_timeout(Duration::from_secs(2)),
+            Ok("closed"),
+            "the pooled connection is closed when the workers stop"
+        );
     }
 }
