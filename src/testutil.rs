@@ -61,28 +61,37 @@ pub fn mutate(rng: &mut XorShift, seed: &[u8], specials: &[&[u8]]) -> Vec<u8> {
     b
 }
 
-/// A small segment (1 worker row, 1 peer slot, 16 route slots) in a file of its own under
-/// the temp directory, removed on drop.
+/// A small segment (1 worker row, 1 peer slot, 16 route slots; or more worker rows with
+/// [`TempSegment::with_workers`]) in a file of its own under the temp directory, removed on
+/// drop.
 pub struct TempSegment {
-    pub seg: warmroute_shm::Segment,
+    pub seg: std::sync::Arc<warmroute_shm::Segment>,
     path: std::path::PathBuf,
 }
 
 impl TempSegment {
     /// `tag` tells apart the tests of one process.
     pub fn new(tag: &str) -> TempSegment {
+        TempSegment::with_workers(tag, 1)
+    }
+
+    /// The same segment with `workers` worker rows.
+    pub fn with_workers(tag: &str, workers: u32) -> TempSegment {
         let path =
             std::env::temp_dir().join(format!("warmroute-unit-{tag}-{}", std::process::id()));
         let seg = warmroute_shm::Segment::open_or_create(
             &path,
             warmroute_shm::Capacities {
-                workers: 1,
+                workers,
                 peers: 1,
                 routes: 16,
             },
         )
         .unwrap();
-        TempSegment { seg, path }
+        TempSegment {
+            seg: std::sync::Arc::new(seg),
+            path,
+        }
     }
 }
 

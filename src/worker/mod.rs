@@ -583,33 +583,6 @@ fn serve(
 mod tests {
     use super::*;
 
-    /// A segment of two worker rows in a file of its own, removed on drop.
-    struct TwoRows(Arc<Segment>, std::path::PathBuf);
-
-    impl TwoRows {
-        fn new(tag: &str) -> TwoRows {
-            let path = std::env::temp_dir().join(format!(
-                "warmroute-worker-unit-{}-{tag}",
-                std::process::id()
-            ));
-            let caps = warmroute_shm::Capacities {
-                workers: 2,
-                peers: 4,
-                routes: 16,
-            };
-            TwoRows(
-                Arc::new(Segment::open_or_create(&path, caps).unwrap()),
-                path,
-            )
-        }
-    }
-
-    impl Drop for TwoRows {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.1);
-        }
-    }
-
     /// A loopback port nobody listens on (bound and let go).
     fn free_port() -> u16 {
         TcpListener::bind("127.0.0.1:0")
@@ -665,7 +638,7 @@ mod tests {
     /// rows are owned, until a zero drain.
     #[test]
     fn a_failed_thread_start_stops_the_workers_already_started() {
-        let t = TwoRows::new("spawn-fails");
+        let t = crate::testutil::TempSegment::with_workers("spawn-fails", 2);
         let port = free_port();
         let ran = Arc::new(AtomicBool::new(false));
         let mut calls = 0;
@@ -681,23 +654,23 @@ mod tests {
                 f()
             })
         };
-        let err = start_two(&t.0, port, &mut second_fails)
+        let err = start_two(&t.seg, port, &mut second_fails)
             .err()
             .expect("an error");
         assert_eq!(err.to_string(), "no more threads");
         assert!(ran.load(Ordering::Acquire), "the first worker ran");
         assert!(port_freed(port), "the first worker's listener is closed");
-        let owned: Vec<u32> = t.0.workers().iter().map(|r| r.0 .0).collect();
+        let owned: Vec<u32> = t.seg.workers().iter().map(|r| r.0 .0).collect();
         assert_eq!(
             owned,
             [1],
             "the first worker gave its row back; the caller owns the other"
         );
-        t.0.release_worker(WorkerId(1));
+        t.seg.release_worker(WorkerId(1));
 
         // Control: both started.
         let port = free_port();
-        let workers = start_two(&t.0, port, &mut |b, f| b.spawn(f)).expect("started");
+        let workers = start_two(&t.seg, port, &mut |b, f| b.spawn(f)).expect("started");
         let until = Instant::now() + Duration::from_secs(10);
         while !workers.shared.ready() && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(10));
@@ -707,10 +680,10 @@ mod tests {
             TcpListener::bind(("127.0.0.1", port)).is_err(),
             "the port is served"
         );
-        assert_eq!(t.0.workers().len(), 2);
+        assert_eq!(t.seg.workers().len(), 2);
         workers.drain(Duration::ZERO);
         workers.join();
-        assert!(t.0.workers().is_empty(), "each worker gave its row back");
+        assert!(t.seg.workers().is_empty(), "each worker gave its row back");
         assert!(port_freed(port), "a zero drain closes the listeners too");
     }
 
@@ -769,11 +742,11 @@ mod tests {
     #[test]
     fn a_stopping_worker_closes_its_pooled_upstream_connections() {
         use std::io::{Read, Write};
-        let t = TwoRows::new("pool-close");
+        let t = crate::testutil::TempSegment::with_workers("pool-close", 2);
         let (tx, events) = std::sync::mpsc::channel();
         let peer = keepalive_peer(tx);
         let port = free_port();
-        let workers = start_two_to(&t.0, port, peer, &mut |b, f| b.spawn(f)).expect("started");
+        let workers = start_two_to(&t.seg, port, peer, &mut |b, f| b.spawn(f)).expect("started");
         let until = Instant::now() + Duration::from_secs(10);
         while !workers.shared.ready() && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(10));
