@@ -104,7 +104,9 @@ fn framing_conflicts_are_400_and_oversize_heads_431() {
         (b"POST /r/v1/x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip\r\n\r\n".to_vec(), 501),
         (b"BLAH\r\n\r\n".to_vec(), 400),
         (b"GET /r/v1/models HTTP/2.0\r\nHost: t\r\n\r\n".to_vec(), 505),
-        (b"GET /r/v1/models HTTP/1.2\r\nHost: t\r\n\r\n".to_vec(), 505),
+        (b"GET /r/v1/models HTTP/3.0\r\nHost: t\r\n\r\n".to_vec(), 505),
+        // A later HTTP/1 minor version is read as HTTP/1.1, which requires a Host.
+        (b"GET /r/v1/models HTTP/1.2\r\n\r\n".to_vec(), 400),
         // httparse calls these version errors too; they are malformed request lines.
         (b"GET /r/v1/a b HTTP/1.1\r\nHost: t\r\n\r\n".to_vec(), 400),
         (b"GET /r/v1/models http/1.1\r\nHost: t\r\n\r\n".to_vec(), 400),
@@ -668,4 +670,40 @@ fn a_crlf_after_a_body_is_not_the_start_of_a_request() {
         waited >= std::time::Duration::from_millis(1200),
         "closed after {waited:?}, before the idle timeout"
     );
+}
+
+/// A request naming a later HTTP/1 minor version (`HTTP/1.2`) is served as HTTP/1.1, the
+/// highest 1.x the router implements (RFC 9110 §2.5), as nginx serves it: forwarded, kept
+/// alive, and its head read whole when it comes in pieces. Another major version is 505
+/// (in `framing_conflicts_are_400_and_oversize_heads_431`).
+#[test]
+fn a_later_http1_minor_version_is_served_as_http11() {
+    let m = mock("m0");
+    let env = start(&[("r", route_for(&[m.addr()], ""))], "");
+    let mut r = BufReader::new(connect(env.public()));
+    let body = chat_body("x", false);
+    let req = |v: &str| {
+        format!(
+            "POST /r/v1/chat/completions HTTP/{v}\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    // Control: the same request as HTTP/1.1.
+    let got = exchange(&mut r, req("1.1").as_bytes(), false);
+    assert_eq!(got.status, 200, "{}", got.text());
+    for v in ["1.2", "1.9"] {
+        let got = exchange(&mut r, req(v).as_bytes(), false);
+        assert_eq!(got.status, 200, "HTTP/{v}: {}", got.text());
+        assert_eq!(got.header("connection"), None, "HTTP/{v} is kept alive");
+    }
+    // In pieces: the request line's version arrives before its line end.
+    let raw = req("1.2");
+    let (a, b) = raw
+        .as_bytes()
+        .split_at("POST /r/v1/chat/completions HTTP/1.2".len());
+    r.get_mut().write_all(a).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let got = exchange(&mut r, b, false);
+    assert_eq!(got.status, 200, "in pieces: {}", got.text());
+    assert_eq!(m.stats().http_requests, 4, "every request reached the peer");
 }

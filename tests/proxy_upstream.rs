@@ -1246,3 +1246,36 @@ fn a_peers_extra_response_shifts_the_answers_of_a_pooled_connection_for_10_ms_at
         "the shift ended: {wrong:?}"
     );
 }
+
+/// A peer's response without `Date` gets one (RFC 9110 §6.6.1: a recipient with a clock
+/// that forwards such a response adds it); a peer's own `Date` is passed on as it is, and
+/// no second one is added.
+#[test]
+fn a_response_without_date_gets_one_and_a_peer_date_is_kept() {
+    let undated = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec();
+    let dated =
+        b"HTTP/1.1 200 OK\r\ndate: Sun, 06 Nov 1994 08:49:37 GMT\r\nContent-Length: 2\r\n\r\nok"
+            .to_vec();
+    for (wire, own) in [(undated, false), (dated, true)] {
+        let b = raw_backend(vec![wire], usize::MAX);
+        let env = start(&[("r", route_for(&[b.addr], ""))], "");
+        let r = request(env.public(), &get("/r/x"));
+        assert_eq!((r.status, r.text().as_str()), (200, "ok"));
+        let dates: Vec<&str> = r
+            .headers
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case("date"))
+            .map(|(_, v)| v.as_str())
+            .collect();
+        assert_eq!(dates.len(), 1, "exactly one Date: {:?}", r.headers);
+        if own {
+            assert_eq!(dates[0], "Sun, 06 Nov 1994 08:49:37 GMT");
+        } else {
+            // IMF-fixdate of now: `Mon, 07 Dec 2026 23:59:59 GMT`, this year.
+            let d = dates[0];
+            assert!(d.len() == 29 && d.ends_with(" GMT"), "{d}");
+            let year: u32 = d[12..16].parse().unwrap();
+            assert!(year >= 2024, "{d}");
+        }
+    }
+}

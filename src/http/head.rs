@@ -79,8 +79,9 @@ const CONN_KEEP_ALIVE: u8 = 2;
 const CONN_NAMES: u8 = 4;
 
 /// Header names the per-request paths look up: the framing and forwarding headers, the
-/// session-id headers, and the response's `Content-Type`. [`Known`] names each by place.
-const LOOKED_UP: [&str; 13] = [
+/// session-id headers, and the response's `Content-Type` and `Date`. [`Known`] names each
+/// by place.
+const LOOKED_UP: [&str; 14] = [
     "content-length",
     "transfer-encoding",
     "connection",
@@ -94,6 +95,7 @@ const LOOKED_UP: [&str; 13] = [
     "content-type",
     "x-phanrouter-session",
     "host",
+    "date",
 ];
 
 /// One of the header names the per-request paths look up, by its place in the table
@@ -115,6 +117,7 @@ impl Known {
     pub const CONTENT_TYPE: Known = Known(10);
     pub const X_PHANROUTER_SESSION: Known = Known(11);
     pub const HOST: Known = Known(12);
+    pub const DATE: Known = Known(13);
 
     /// The name, lowercase.
     pub fn name(self) -> &'static str {
@@ -141,7 +144,7 @@ fn looked_up(name: &[u8]) -> Option<Known> {
         20 => (7, Some(11)),
         24 => (8, None),
         12 => (9, Some(10)),
-        4 => (12, None),
+        4 => (12, Some(13)),
         _ => return None,
     };
     if is(a) {
@@ -631,27 +634,40 @@ fn absolute_form_path(target: &str) -> Option<&str> {
     Some(&rest[slash..])
 }
 
-/// Parse a request head from the start of `buf`.
-/// What httparse's version error means: 505 for a well-formed request line naming another
-/// version (`GET / HTTP/2.0`), 400 for anything else it also reports so (`GET /a b
-/// HTTP/1.1`, a lower-case `http/1.1`).
+/// What httparse's version error means for a request whose head starts `buf`:
+/// - a well-formed request line naming a later HTTP/1 minor version (`GET / HTTP/1.2`) is
+///   read as HTTP/1.1, the highest 1.x the router implements (RFC 9110 §2.5), as nginx
+///   does: the head is parsed again from a copy that says `HTTP/1.1`;
+/// - one naming another major version (`GET / HTTP/2.0`) is 505;
+/// - anything else httparse also reports so (`GET /a b HTTP/1.1`, a lower-case
+///   `http/1.1`) is 400.
 #[cold]
-fn version_error(buf: &[u8]) -> HeadError {
+fn version_error(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
     let line = buf.split(|&b| b == b'\n').next().unwrap_or_default();
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let mut parts = line.split(|&b| b == b' ');
-    let well_formed = matches!(
-        (parts.next(), parts.next(), parts.next(), parts.next()),
-        (Some(m), Some(t), Some([b'H', b'T', b'T', b'P', b'/', major, b'.', minor]), None)
-            if !m.is_empty() && !t.is_empty() && major.is_ascii_digit() && minor.is_ascii_digit()
-    );
-    if well_formed {
-        HeadError::UnsupportedVersion
-    } else {
-        HeadError::Malformed("malformed request line")
+    let version = match (parts.next(), parts.next(), parts.next(), parts.next()) {
+        (Some(m), Some(t), Some(&[b'H', b'T', b'T', b'P', b'/', major, b'.', minor]), None)
+            if !m.is_empty()
+                && !t.is_empty()
+                && major.is_ascii_digit()
+                && minor.is_ascii_digit() =>
+        {
+            (major, minor)
+        }
+        _ => return Err(HeadError::Malformed("malformed request line")),
+    };
+    // The copy is bounded by the head limit, so a head that does not end within it is
+    // still too large; a head not yet whole is partial as any other.
+    if version.0 == b'1' && version.1 > b'1' {
+        let mut copy = buf[..buf.len().min(REQUEST_HEAD_BYTES_MAX + 1)].to_vec();
+        copy[line.len() - 1] = b'1';
+        return parse_request(&copy);
     }
+    Err(HeadError::UnsupportedVersion)
 }
 
+/// Parse a request head from the start of `buf`.
 pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
     // Left uninitialised: httparse writes the headers it finds, and filling all 100 slots
     // first would cost more than parsing a usual head.
@@ -661,7 +677,7 @@ pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
     let status = match req.parse_with_uninit_headers(buf, &mut storage) {
         Ok(s) => s,
         Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooManyHeaders),
-        Err(httparse::Error::Version) => return Err(version_error(buf)),
+        Err(httparse::Error::Version) => return version_error(buf),
         Err(_) => return Err(HeadError::Malformed("malformed request head")),
     };
     let len = match status {
@@ -1251,6 +1267,46 @@ mod tests {
             "GET / HTTP/1.1\r\nBad Header\r\n\r\n",
         ] {
             assert!(req(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_later_http1_minor_version_is_read_as_1_1_and_others_are_505() {
+        let whole = "GET /a HTTP/1.2\r\nHost: t\r\nX-A: 1\r\n\r\nnext";
+        let Ok(HeadParse::Complete(h, n)) = parse_request(whole.as_bytes()) else {
+            panic!("HTTP/1.2 is parsed")
+        };
+        assert_eq!((h.minor_version, h.path(), n), (1, "/a", whole.len() - 4));
+        assert_eq!(h.headers.get("x-a"), Some(&b"1"[..]));
+        // Read as 1.1: keep-alive by default, and a Host is required.
+        assert!(h.keep_alive);
+        assert!(matches!(
+            parse_request(b"GET /a HTTP/1.9\r\n\r\n"),
+            Err(HeadError::Malformed("missing Host header"))
+        ));
+        // Pieces of it are partial, as an HTTP/1.1 head's are.
+        for cut in 1..whole.len() - 4 {
+            assert!(
+                matches!(
+                    parse_request(&whole.as_bytes()[..cut]),
+                    Ok(HeadParse::Partial)
+                ),
+                "{:?}",
+                &whole[..cut]
+            );
+        }
+        // A head that does not end within the limit is too large, in any version.
+        let mut big = b"GET /a HTTP/1.2\r\nHost: t\r\nX-B: ".to_vec();
+        big.resize(REQUEST_HEAD_BYTES_MAX + 100, b'b');
+        assert!(matches!(parse_request(&big), Err(HeadError::TooLarge)));
+        // Other major versions, and two-digit minors, are not read as HTTP/1.1.
+        for (raw, want) in [
+            ("GET / HTTP/2.0\r\nHost: t\r\n\r\n", 505),
+            ("GET / HTTP/0.9\r\nHost: t\r\n\r\n", 505),
+            ("GET / HTTP/1.12\r\nHost: t\r\n\r\n", 400),
+        ] {
+            let got = parse_request(raw.as_bytes()).map(|_| ()).unwrap_err();
+            assert_eq!(got.status(), want, "{raw:?}");
         }
     }
 

@@ -35,8 +35,8 @@ use crate::control::{
     latency::{self, Signal},
 };
 use crate::http::{
-    is_hop_by_hop, name_is, push_decimal, status_reason, write_header, RequestHead,
-    ResponseFraming, ResponseHead,
+    is_hop_by_hop, name_is, push_date_header, push_decimal, status_reason, write_header, Known,
+    RequestHead, ResponseFraming, ResponseHead,
 };
 use crate::snapshot::{PeerRt, RouteRt, Snapshot};
 use crate::worker::{PortKind, WorkerCtx};
@@ -1814,6 +1814,11 @@ fn client_head(
             // A peer's own routing headers never reach the client: ours describe this hop.
             || (name.len() > 9 && name_is(&name[..9], b"x-routed-")))
     });
+    // RFC 9110 §6.6.1: a recipient with a clock that forwards a response without `Date`
+    // adds one, the time it was received.
+    if !up.headers.any_known(&[Known::DATE]) {
+        push_date_header(out);
+    }
     push_routed_headers(out, routing, routed);
     if client == ClientFraming::Chunked {
         out.extend_from_slice(b"Transfer-Encoding: chunked\r\n");
