@@ -133,6 +133,53 @@ fn hop_by_hop_headers_are_dropped_and_forwarding_headers_appended() {
     );
 }
 
+/// Names that read as a framing or forwarding header once `_` is read as `-`
+/// (`Transfer_Encoding`, `X_Real_IP`) do not reach the peer: a CGI- or WSGI-style stack
+/// names both `HTTP_TRANSFER_ENCODING`, and would read a framing the router never checked,
+/// or a client address the client chose. Other names with `_` pass (the control), and so
+/// does everything when sent with `-` as the router sets it. A chain the client lists in
+/// `Connection` is its own hop's: the peer gets only the client's address.
+#[test]
+fn underscored_lookalikes_of_framing_and_forwarding_headers_are_dropped() {
+    let m = mock("m0");
+    let env = start(&[("r", route_for(&[m.addr()], ""))], "");
+    let body = "abc";
+    let raw = format!(
+        "POST /r/v1/x HTTP/1.1\r\nHost: t\r\nx-mock-echo: 1\r\nTransfer_Encoding: chunked\r\nX_Real_IP: 6.6.6.6\r\nx_forwarded_for: 6.6.6.6\r\nKeep_Alive: 1\r\nX_Custom_Id: kept\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let r = request(env.public(), raw.as_bytes());
+    assert_eq!(r.status, 200);
+    let headers: Vec<(String, String)> =
+        serde_json::from_str(r.header("x-mock-echo-headers").unwrap()).unwrap();
+    let names: Vec<String> = headers
+        .iter()
+        .map(|(k, _)| k.to_ascii_lowercase())
+        .collect();
+    for gone in [
+        "transfer_encoding",
+        "x_real_ip",
+        "x_forwarded_for",
+        "keep_alive",
+    ] {
+        assert!(!names.iter().any(|n| n == gone), "{gone}: {names:?}");
+    }
+    assert!(names.iter().any(|n| n == "x_custom_id"), "{names:?}");
+    assert!(names.iter().any(|n| n == "x-real-ip"), "{names:?}");
+    assert_eq!(r.text(), body, "the body as the router framed it");
+
+    let raw = b"GET /r/v1/x HTTP/1.1\r\nHost: t\r\nx-mock-echo: 1\r\nConnection: X-Forwarded-For\r\nX-Forwarded-For: 6.6.6.6\r\n\r\n";
+    let r = request(env.public(), raw);
+    let headers: Vec<(String, String)> =
+        serde_json::from_str(r.header("x-mock-echo-headers").unwrap()).unwrap();
+    let xff: Vec<&str> = headers
+        .iter()
+        .filter(|(k, _)| k.eq_ignore_ascii_case("x-forwarded-for"))
+        .map(|(_, v)| v.as_str())
+        .collect();
+    assert_eq!(xff, ["127.0.0.1"]);
+}
+
 #[test]
 fn sse_events_300ms_apart_arrive_300ms_apart() {
     let m = mock("m0");

@@ -114,6 +114,11 @@ fn framing_conflicts_are_400_and_oversize_heads_431() {
         (b"GET /r/v1/models HTTP/1.1\r\nHost: a b\r\n\r\n".to_vec(), 400),
         (b"GET /r/v1/models HTTP/1.1\r\nHost: evil/x\r\n\r\n".to_vec(), 400),
         (format!("GET /r/v1/x HTTP/1.1\r\nHost: t\r\nX-Big: {}\r\n\r\n", "a".repeat(70 * 1024)).into_bytes(), 431),
+        // A request line that alone passes the head limit: 414 (RFC 9112 §3), as nginx.
+        (format!("GET /r/v1/{} HTTP/1.1\r\nHost: t\r\n\r\n", "a".repeat(70 * 1024)).into_bytes(), 414),
+        // TRACE would echo the client's credentials back; the router opens no tunnels.
+        (b"TRACE /r/v1/models HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer k\r\n\r\n".to_vec(), 405),
+        (b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n".to_vec(), 405),
         ((0..101).fold(b"GET /r/v1/x HTTP/1.1\r\n".to_vec(), |mut v, i| { v.extend(format!("H{i}: v\r\n").bytes()); v }).into_iter().chain(*b"\r\n").collect(), 431),
     ];
     for (raw, status) in cases {
@@ -128,10 +133,16 @@ fn framing_conflicts_are_400_and_oversize_heads_431() {
             501 => "not_implemented",
             505 => "http_version_not_supported",
             431 => "request_header_too_large",
+            414 => "uri_too_long",
+            405 => "method_not_allowed",
             _ => "bad_request",
         };
         assert_eq!(resp.json()["error"]["type"], kind);
         assert_eq!(resp.header("connection"), Some("close"));
+        if status == 405 {
+            // RFC 9110 §15.5.6.
+            assert!(resp.header("allow").is_some_and(|a| a.contains("POST")));
+        }
     }
     assert_eq!(
         m.stats().http_requests,

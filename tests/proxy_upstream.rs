@@ -1279,3 +1279,65 @@ fn a_response_without_date_gets_one_and_a_peer_date_is_kept() {
         }
     }
 }
+
+/// A peer's `Connection` header that lists `Content-Length` or `Transfer-Encoding` does not
+/// take the framing off a body that is passed through: the client got the body with no
+/// length and no chunked coding on a kept-alive connection, so it could not tell where the
+/// response ended (and read the next response as part of it). Two requests on one
+/// connection: both come out whole.
+#[test]
+fn a_peer_cannot_strip_the_framing_by_listing_it_in_connection() {
+    let cases: [(&[u8], &str); 2] = [
+        (
+            b"HTTP/1.1 200 OK\r\nConnection: Content-Length\r\nContent-Length: 2\r\n\r\nok",
+            "content-length",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nConnection: Transfer-Encoding, X-Gone\r\nX-Gone: 1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+            "transfer-encoding",
+        ),
+    ];
+    for (wire, framing) in cases {
+        let b = raw_backend(vec![wire.to_vec()], usize::MAX);
+        let env = start(&[("r", route_for(&[b.addr], ""))], "");
+        let c = connect(env.public());
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut r = BufReader::new(c.try_clone().unwrap());
+        let mut c = c;
+        for round in 0..2 {
+            c.write_all(&get("/r/x")).unwrap();
+            let resp = read_response(&mut r, false)
+                .unwrap_or_else(|e| panic!("{framing} round {round}: {e}"));
+            assert_eq!(
+                (resp.status, resp.text().as_str()),
+                (200, "ok"),
+                "{framing}"
+            );
+            assert!(
+                resp.header(framing).is_some(),
+                "{framing}: {:?}",
+                resp.headers
+            );
+            // Control: what the peer's `Connection` lists besides the framing still goes.
+            assert_eq!(resp.header("x-gone"), None);
+        }
+    }
+}
+
+/// An interim head reaches the client as the final head does: without the peer's
+/// hop-by-hop headers or those its `Connection` lists, and with CRLF line ends where the
+/// peer used bare LFs. Its end-to-end headers (`Link`) are kept.
+#[test]
+fn an_interim_head_is_relayed_without_hop_by_hop_headers_and_with_crlf() {
+    let wire = b"HTTP/1.1 103 Early Hints\nConnection: X-Secret\nX-Secret: s\nKeep-Alive: 1\nLink: </a>\nX-Routed-Peer: inner\n\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi";
+    let b = raw_backend(vec![wire.to_vec()], usize::MAX);
+    let env = start(&[("r", route_for(&[b.addr], ""))], "");
+    let mut c = connect(env.public());
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    c.write_all(b"GET /r/x HTTP/1.1\r\nHost: t\r\n\r\n")
+        .unwrap();
+    let want = b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\n";
+    let mut got = vec![0u8; want.len()];
+    c.read_exact(&mut got).unwrap();
+    assert_eq!(String::from_utf8_lossy(&got), String::from_utf8_lossy(want));
+}

@@ -28,8 +28,12 @@ pub enum HeadError {
     BadFraming(&'static str),
     /// A transfer coding other than chunked (501).
     UnsupportedCoding,
-    /// A request line naming a version other than HTTP/1.0 or HTTP/1.1 (505).
+    /// A request line naming a version other than HTTP/1.x (505).
     UnsupportedVersion,
+    /// A request line longer than the head limit (414).
+    UriTooLong,
+    /// `TRACE` (it would echo the client's credentials) or `CONNECT` (no tunnels) (405).
+    MethodNotAllowed,
 }
 
 impl HeadError {
@@ -39,6 +43,8 @@ impl HeadError {
             HeadError::Malformed(_) | HeadError::BadFraming(_) => 400,
             HeadError::UnsupportedCoding => 501,
             HeadError::UnsupportedVersion => 505,
+            HeadError::UriTooLong => 414,
+            HeadError::MethodNotAllowed => 405,
         }
     }
 
@@ -48,7 +54,9 @@ impl HeadError {
             HeadError::TooManyHeaders => "more than 100 request headers",
             HeadError::Malformed(m) | HeadError::BadFraming(m) => m,
             HeadError::UnsupportedCoding => "only the chunked transfer coding is supported",
-            HeadError::UnsupportedVersion => "only HTTP/1.0 and HTTP/1.1 are served",
+            HeadError::UnsupportedVersion => "only HTTP/1.x is served",
+            HeadError::UriTooLong => "request line exceeds 64 KiB",
+            HeadError::MethodNotAllowed => "TRACE and CONNECT are not served",
         }
     }
 }
@@ -667,6 +675,18 @@ fn version_error(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
     Err(HeadError::UnsupportedVersion)
 }
 
+/// A head over the limit: 414 when its request line alone does not end within it (RFC
+/// 9112 §3), 431 otherwise.
+#[cold]
+fn too_large(buf: &[u8]) -> HeadError {
+    let within = &buf[..buf.len().min(REQUEST_HEAD_BYTES_MAX)];
+    if within.contains(&b'\n') {
+        HeadError::TooLarge
+    } else {
+        HeadError::UriTooLong
+    }
+}
+
 /// Parse a request head from the start of `buf`.
 pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
     // Left uninitialised: httparse writes the headers it finds, and filling all 100 slots
@@ -684,19 +704,23 @@ pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
         httparse::Status::Complete(n) => n,
         httparse::Status::Partial => {
             return if buf.len() >= REQUEST_HEAD_BYTES_MAX {
-                Err(HeadError::TooLarge)
+                Err(too_large(buf))
             } else {
                 Ok(HeadParse::Partial)
             };
         }
     };
     if len > REQUEST_HEAD_BYTES_MAX {
-        return Err(HeadError::TooLarge);
+        return Err(too_large(buf));
     }
     let raw = &buf[..len];
     let (Some(method), Some(path), Some(minor)) = (req.method, req.path, req.version) else {
         return Err(HeadError::Malformed("malformed request line"));
     };
+    // As nginx answers them, before their targets (`CONNECT host:443`) are judged.
+    if matches!(method.len(), 5 | 7) && matches!(method, "TRACE" | "CONNECT") {
+        return Err(HeadError::MethodNotAllowed);
+    }
     // The absolute form (`GET http://host/route/v1/models`, as a client configured with
     // the router as its HTTP proxy sends it) is served by its path (RFC 9112 §3.2.2); the
     // host it names is the router itself.

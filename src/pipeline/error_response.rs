@@ -125,6 +125,8 @@ impl ProxyError {
             ProxyError::BadRequestHead(HeadError::UnsupportedVersion) => {
                 "http_version_not_supported"
             }
+            ProxyError::BadRequestHead(HeadError::UriTooLong) => "uri_too_long",
+            ProxyError::BadRequestHead(HeadError::MethodNotAllowed) => "method_not_allowed",
             ProxyError::BadRequestHead(_) | ProxyError::BadChunkedBody => "bad_request",
             ProxyError::HeadTimeout | ProxyError::BodyTimeout => "request_timeout",
             ProxyError::BodyTooLarge { .. } => "request_too_large",
@@ -204,6 +206,10 @@ impl ProxyError {
             // RFC 9110 §11.6.1: a 401 names the scheme it takes.
             ProxyError::Unauthorized => &[("WWW-Authenticate", "Bearer")],
             ProxyError::NoHealthyPeer => &[("Retry-After", "5")],
+            // RFC 9110 §15.5.6: a 405 lists the methods the target takes.
+            ProxyError::BadRequestHead(HeadError::MethodNotAllowed) => {
+                &[("Allow", "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")]
+            }
             ProxyError::ShuttingDown { .. } => &[("Retry-After", "1")],
             ProxyError::ConcurrencyLimit(..) | ProxyError::LatencyShed { .. } => {
                 &[("Retry-After", "1")]

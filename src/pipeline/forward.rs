@@ -31,6 +31,25 @@ fn replaced_by_proxy(name: &[u8]) -> bool {
     }
 }
 
+/// A name that reads as one the router removes or sets itself once its `_` are read as `-`
+/// (`Transfer_Encoding`, `X_Real_IP`). A peer stack that maps `_` to `-` (CGI and WSGI both
+/// name them `HTTP_TRANSFER_ENCODING`) would take it for the real one: a framing header
+/// the router never checked, or a client address the client chose. nginx drops every name
+/// with a `_` by default; these are the ones that matter to framing and forwarding. Names
+/// of other lengths are not looked at.
+fn underscored_lookalike(name: &[u8]) -> bool {
+    const LONGEST: usize = "proxy-authorization".len();
+    if !matches!(name.len(), 9 | 10 | 14..=LONGEST) || !name.contains(&b'_') {
+        return false;
+    }
+    let mut buf = [0u8; LONGEST];
+    let dashed = &mut buf[..name.len()];
+    for (d, &s) in dashed.iter_mut().zip(name) {
+        *d = if s == b'_' { b'-' } else { s };
+    }
+    is_hop_by_hop(dashed) || replaced_by_proxy(dashed)
+}
+
 /// The request for the peer, in one buffer: method, rewritten target, the client's
 /// end-to-end headers, the proxy's own (`Host`, `Content-Length`, forwarding headers)
 /// and — when it is small — the body, so head and body leave in one write.
@@ -69,6 +88,7 @@ pub fn build_request(
         !(is_hop_by_hop(name)
             || replaced_by_proxy(name)
             || (listed && head.headers.connection_lists(name))
+            || underscored_lookalike(name)
             || (authorization.is_some()
                 && (http::name_is(name, b"authorization") || http::name_is(name, b"x-api-key")))
             || encoding)
@@ -76,11 +96,14 @@ pub fn build_request(
     if asked_encoding {
         out.extend_from_slice(b"Accept-Encoding: identity\r\n");
     }
-    // X-Forwarded-For: the client's chain, then the client's address.
+    // X-Forwarded-For: the client's chain, then the client's address. A chain the client
+    // lists in `Connection` is its own hop's, and is not passed on.
     out.extend_from_slice(b"X-Forwarded-For: ");
-    for v in head.headers.all_known(http::Known::X_FORWARDED_FOR) {
-        out.extend_from_slice(v);
-        out.extend_from_slice(b", ");
+    if !(listed && head.headers.connection_lists(b"x-forwarded-for")) {
+        for v in head.headers.all_known(http::Known::X_FORWARDED_FOR) {
+            out.extend_from_slice(v);
+            out.extend_from_slice(b", ");
+        }
     }
     out.extend_from_slice(client_ip.as_bytes());
     out.extend_from_slice(b"\r\nX-Real-IP: ");
@@ -400,7 +423,7 @@ async fn send_and_read_head(
                         }
                         // 100 Continue answers an expectation we never send upstream.
                         if h.status != 100 {
-                            interim.extend_from_slice(&buf[start..start + used]);
+                            push_interim_head(&mut interim, &h);
                         }
                         start += used;
                         continue;
@@ -424,6 +447,34 @@ async fn send_and_read_head(
             }
         }
     }
+}
+
+/// An interim (1xx) head as the client gets it: the peer's status, reason and end-to-end
+/// headers, with CRLF line ends. The hop-by-hop headers, those its `Connection` lists, any
+/// framing header (a 1xx has no body) and the peer's own `X-Routed-*` are the peer's hop's.
+fn push_interim_head(out: &mut Vec<u8>, h: &http::ResponseHead) {
+    out.extend_from_slice(b"HTTP/1.1 ");
+    http::push_decimal(out, u64::from(h.status));
+    out.push(b' ');
+    let reason = h.reason();
+    out.extend_from_slice(
+        if reason.is_empty() {
+            http::status_reason(h.status)
+        } else {
+            reason
+        }
+        .as_bytes(),
+    );
+    out.extend_from_slice(b"\r\n");
+    let listed = h.headers.connection_names_headers();
+    h.headers.write_lines(out, |name, _| {
+        !(is_hop_by_hop(name)
+            || (listed && h.headers.connection_lists(name))
+            || http::name_is(name, b"content-length")
+            || http::name_is(name, b"transfer-encoding")
+            || (name.len() > 9 && http::name_is(&name[..9], b"x-routed-")))
+    });
+    out.extend_from_slice(b"\r\n");
 }
 
 #[cfg(test)]

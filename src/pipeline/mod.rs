@@ -1805,7 +1805,10 @@ fn client_head(
     let no_length = up.status == 204;
     up.headers.write_lines(out, |name, _| {
         !(is_hop_by_hop(name)
-            || (listed && up.headers.connection_lists(name))
+            // The framing headers are not the peer's to drop by listing them in
+            // `Connection`: a passed-through body keeps the framing it came with, or the
+            // client could not tell where it ends.
+            || (listed && up.headers.connection_lists(name) && !is_framing(name))
             // Re-framed bodies carry our framing, not the peer's.
             || (reframed
                 && (name_is(name, b"transfer-encoding") || name_is(name, b"content-length")))
@@ -1829,6 +1832,11 @@ fn client_head(
         out.extend_from_slice(b"Connection: keep-alive\r\n");
     }
     out.extend_from_slice(b"\r\n");
+}
+
+/// `Content-Length` or `Transfer-Encoding`.
+fn is_framing(name: &[u8]) -> bool {
+    name_is(name, b"content-length") || name_is(name, b"transfer-encoding")
 }
 
 /// One access-log line's inputs.
