@@ -17,6 +17,10 @@
 #              so per-park costs are shared by many requests).
 #              Example: CG_BINS="/tmp/prev/warmroute target/release/warmroute" CG_ACCESS_LOG=on
 #              bench/run callgrind
+#              Per-function counts (callgrind_annotate on the dumps in the run's directory)
+#              need binaries linked by the system linker: valgrind 3.19 reads no symbols from
+#              an lld-linked one (Rust's default since 1.90; it logs "ELF section outside all
+#              mapped regions" under -v). Build them with RUSTFLAGS="-Clinker-features=-lld".
 CG_CASE=${CG_CASE:-json}
 CG_ID=${CG_ID:-body}
 CG_ACCESS_LOG=${CG_ACCESS_LOG:-off}

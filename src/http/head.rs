@@ -30,6 +30,11 @@ pub enum HeadError {
     UnsupportedCoding,
     /// A request line naming a version other than HTTP/1.x (505).
     UnsupportedVersion,
+    /// A well-formed request line naming a later HTTP/1 minor version (`HTTP/1.2`), whose
+    /// minor digit is at `at`. The head is to be read as HTTP/1.1, the highest 1.x the
+    /// router implements (RFC 9110 §2.5, as nginx does): the reader rewrites that digit to
+    /// `1` in its buffer and parses again. Answered 505 where it is not.
+    LaterMinor { at: usize },
     /// A request line longer than the head limit (414).
     UriTooLong,
     /// `TRACE` (it would echo the client's credentials) or `CONNECT` (no tunnels) (405).
@@ -42,7 +47,7 @@ impl HeadError {
             HeadError::TooLarge | HeadError::TooManyHeaders => 431,
             HeadError::Malformed(_) | HeadError::BadFraming(_) => 400,
             HeadError::UnsupportedCoding => 501,
-            HeadError::UnsupportedVersion => 505,
+            HeadError::UnsupportedVersion | HeadError::LaterMinor { .. } => 505,
             HeadError::UriTooLong => 414,
             HeadError::MethodNotAllowed => 405,
         }
@@ -54,7 +59,9 @@ impl HeadError {
             HeadError::TooManyHeaders => "more than 100 request headers",
             HeadError::Malformed(m) | HeadError::BadFraming(m) => m,
             HeadError::UnsupportedCoding => "only the chunked transfer coding is supported",
-            HeadError::UnsupportedVersion => "only HTTP/1.x is served",
+            HeadError::UnsupportedVersion | HeadError::LaterMinor { .. } => {
+                "only HTTP/1.x is served"
+            }
             HeadError::UriTooLong => "request line exceeds 64 KiB",
             HeadError::MethodNotAllowed => "TRACE and CONNECT are not served",
         }
@@ -87,9 +94,8 @@ const CONN_KEEP_ALIVE: u8 = 2;
 const CONN_NAMES: u8 = 4;
 
 /// Header names the per-request paths look up: the framing and forwarding headers, the
-/// session-id headers, and the response's `Content-Type` and `Date`. [`Known`] names each
-/// by place.
-const LOOKED_UP: [&str; 14] = [
+/// session-id headers, and the response's `Content-Type`. [`Known`] names each by place.
+const LOOKED_UP: [&str; 13] = [
     "content-length",
     "transfer-encoding",
     "connection",
@@ -103,7 +109,6 @@ const LOOKED_UP: [&str; 14] = [
     "content-type",
     "x-phanrouter-session",
     "host",
-    "date",
 ];
 
 /// One of the header names the per-request paths look up, by its place in the table
@@ -125,7 +130,6 @@ impl Known {
     pub const CONTENT_TYPE: Known = Known(10);
     pub const X_PHANROUTER_SESSION: Known = Known(11);
     pub const HOST: Known = Known(12);
-    pub const DATE: Known = Known(13);
 
     /// The name, lowercase.
     pub fn name(self) -> &'static str {
@@ -152,7 +156,7 @@ fn looked_up(name: &[u8]) -> Option<Known> {
         20 => (7, Some(11)),
         24 => (8, None),
         12 => (9, Some(10)),
-        4 => (12, Some(13)),
+        4 => (12, None),
         _ => return None,
     };
     if is(a) {
@@ -643,36 +647,31 @@ fn absolute_form_path(target: &str) -> Option<&str> {
 }
 
 /// What httparse's version error means for a request whose head starts `buf`:
-/// - a well-formed request line naming a later HTTP/1 minor version (`GET / HTTP/1.2`) is
-///   read as HTTP/1.1, the highest 1.x the router implements (RFC 9110 §2.5), as nginx
-///   does: the head is parsed again from a copy that says `HTTP/1.1`;
-/// - one naming another major version (`GET / HTTP/2.0`) is 505;
+/// - a well-formed request line naming a later HTTP/1 minor version (`GET / HTTP/1.2`):
+///   [`HeadError::LaterMinor`], for the reader to rewrite the digit and parse again;
+/// - one naming another major version (`GET / HTTP/2.0`): 505;
 /// - anything else httparse also reports so (`GET /a b HTTP/1.1`, a lower-case
-///   `http/1.1`) is 400.
+///   `http/1.1`): 400.
 #[cold]
-fn version_error(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
+fn version_error(buf: &[u8]) -> HeadError {
     let line = buf.split(|&b| b == b'\n').next().unwrap_or_default();
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let mut parts = line.split(|&b| b == b' ');
-    let version = match (parts.next(), parts.next(), parts.next(), parts.next()) {
+    match (parts.next(), parts.next(), parts.next(), parts.next()) {
         (Some(m), Some(t), Some(&[b'H', b'T', b'T', b'P', b'/', major, b'.', minor]), None)
             if !m.is_empty()
                 && !t.is_empty()
                 && major.is_ascii_digit()
                 && minor.is_ascii_digit() =>
         {
-            (major, minor)
+            if major == b'1' && minor > b'1' {
+                HeadError::LaterMinor { at: line.len() - 1 }
+            } else {
+                HeadError::UnsupportedVersion
+            }
         }
-        _ => return Err(HeadError::Malformed("malformed request line")),
-    };
-    // The copy is bounded by the head limit, so a head that does not end within it is
-    // still too large; a head not yet whole is partial as any other.
-    if version.0 == b'1' && version.1 > b'1' {
-        let mut copy = buf[..buf.len().min(REQUEST_HEAD_BYTES_MAX + 1)].to_vec();
-        copy[line.len() - 1] = b'1';
-        return parse_request(&copy);
+        _ => HeadError::Malformed("malformed request line"),
     }
-    Err(HeadError::UnsupportedVersion)
 }
 
 /// A head over the limit: 414 when its request line alone does not end within it (RFC
@@ -697,7 +696,7 @@ pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
     let status = match req.parse_with_uninit_headers(buf, &mut storage) {
         Ok(s) => s,
         Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooManyHeaders),
-        Err(httparse::Error::Version) => return version_error(buf),
+        Err(httparse::Error::Version) => return Err(version_error(buf)),
         Err(_) => return Err(HeadError::Malformed("malformed request head")),
     };
     let len = match status {
@@ -1296,8 +1295,21 @@ mod tests {
 
     #[test]
     fn a_later_http1_minor_version_is_read_as_1_1_and_others_are_505() {
+        // As the connection's reader does it: the digit rewritten in its buffer, then
+        // parsed again.
+        let parse = |b: &[u8]| {
+            let mut b = b.to_vec();
+            match parse_request(&b) {
+                Err(HeadError::LaterMinor { at }) => {
+                    assert_eq!(&b[at - 7..at], b"HTTP/1.");
+                    b[at] = b'1';
+                    parse_request(&b)
+                }
+                r => r,
+            }
+        };
         let whole = "GET /a HTTP/1.2\r\nHost: t\r\nX-A: 1\r\n\r\nnext";
-        let Ok(HeadParse::Complete(h, n)) = parse_request(whole.as_bytes()) else {
+        let Ok(HeadParse::Complete(h, n)) = parse(whole.as_bytes()) else {
             panic!("HTTP/1.2 is parsed")
         };
         assert_eq!((h.minor_version, h.path(), n), (1, "/a", whole.len() - 4));
@@ -1305,31 +1317,24 @@ mod tests {
         // Read as 1.1: keep-alive by default, and a Host is required.
         assert!(h.keep_alive);
         assert!(matches!(
-            parse_request(b"GET /a HTTP/1.9\r\n\r\n"),
+            parse(b"GET /a HTTP/1.9\r\n\r\n"),
             Err(HeadError::Malformed("missing Host header"))
         ));
         // Pieces of it are partial, as an HTTP/1.1 head's are.
         for cut in 1..whole.len() - 4 {
             assert!(
-                matches!(
-                    parse_request(&whole.as_bytes()[..cut]),
-                    Ok(HeadParse::Partial)
-                ),
+                matches!(parse(&whole.as_bytes()[..cut]), Ok(HeadParse::Partial)),
                 "{:?}",
                 &whole[..cut]
             );
         }
-        // A head that does not end within the limit is too large, in any version.
-        let mut big = b"GET /a HTTP/1.2\r\nHost: t\r\nX-B: ".to_vec();
-        big.resize(REQUEST_HEAD_BYTES_MAX + 100, b'b');
-        assert!(matches!(parse_request(&big), Err(HeadError::TooLarge)));
         // Other major versions, and two-digit minors, are not read as HTTP/1.1.
         for (raw, want) in [
             ("GET / HTTP/2.0\r\nHost: t\r\n\r\n", 505),
             ("GET / HTTP/0.9\r\nHost: t\r\n\r\n", 505),
             ("GET / HTTP/1.12\r\nHost: t\r\n\r\n", 400),
         ] {
-            let got = parse_request(raw.as_bytes()).map(|_| ()).unwrap_err();
+            let got = parse(raw.as_bytes()).map(|_| ()).unwrap_err();
             assert_eq!(got.status(), want, "{raw:?}");
         }
     }

@@ -229,6 +229,12 @@ impl ClientConn {
                         return HeadRead::Head(head);
                     }
                     Ok(HeadParse::Partial) => {}
+                    // `HTTP/1.2` is read as HTTP/1.1 (RFC 9110 §2.5): the digit is
+                    // rewritten in place and the head parsed again.
+                    Err(http::HeadError::LaterMinor { at }) => {
+                        self.inbuf[at] = b'1';
+                        continue;
+                    }
                     Err(e) => {
                         return HeadRead::Refuse(ProxyError::BadRequestHead(e), waited(deadline))
                     }

@@ -122,9 +122,9 @@ impl ProxyError {
                 "request_header_too_large"
             }
             ProxyError::BadRequestHead(HeadError::UnsupportedCoding) => "not_implemented",
-            ProxyError::BadRequestHead(HeadError::UnsupportedVersion) => {
-                "http_version_not_supported"
-            }
+            ProxyError::BadRequestHead(
+                HeadError::UnsupportedVersion | HeadError::LaterMinor { .. },
+            ) => "http_version_not_supported",
             ProxyError::BadRequestHead(HeadError::UriTooLong) => "uri_too_long",
             ProxyError::BadRequestHead(HeadError::MethodNotAllowed) => "method_not_allowed",
             ProxyError::BadRequestHead(_) | ProxyError::BadChunkedBody => "bad_request",

@@ -17,6 +17,7 @@ use crate::upstream::UpstreamPool;
 use super::client::{race_until_drained, ClientWatch, DrainWatch, Stopped, DRAIN_LISTEN_AFTER};
 
 /// Headers the proxy sets itself and so never copies from the client.
+#[inline(always)]
 fn replaced_by_proxy(name: &[u8]) -> bool {
     let is = |h: &[u8]| http::name_is(name, h);
     // Dispatch on the length first: most names match no candidate's length.
@@ -37,12 +38,20 @@ fn replaced_by_proxy(name: &[u8]) -> bool {
 /// the router never checked, or a client address the client chose. nginx drops every name
 /// with a `_` by default; these are the ones that matter to framing and forwarding. Names
 /// of other lengths are not looked at.
+#[inline(always)]
 fn underscored_lookalike(name: &[u8]) -> bool {
-    const LONGEST: usize = "proxy-authorization".len();
-    if !matches!(name.len(), 9 | 10 | 14..=LONGEST) || !name.contains(&b'_') {
-        return false;
-    }
-    let mut buf = [0u8; LONGEST];
+    matches!(name.len(), 9 | 10 | 14..=LONGEST_LOOKALIKE)
+        && name.contains(&b'_')
+        && dashed_is_ours(name)
+}
+
+const LONGEST_LOOKALIKE: usize = "proxy-authorization".len();
+
+/// Whether `name` with its `_` read as `-` is a name the router removes or sets.
+#[cold]
+#[inline(never)]
+fn dashed_is_ours(name: &[u8]) -> bool {
+    let mut buf = [0u8; LONGEST_LOOKALIKE];
     let dashed = &mut buf[..name.len()];
     for (d, &s) in dashed.iter_mut().zip(name) {
         *d = if s == b'_' { b'-' } else { s };

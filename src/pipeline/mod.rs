@@ -35,7 +35,7 @@ use crate::control::{
     latency::{self, Signal},
 };
 use crate::http::{
-    is_hop_by_hop, name_is, push_date_header, push_decimal, status_reason, write_header, Known,
+    is_hop_by_hop, name_is, push_date_header, push_decimal, status_reason, write_header,
     RequestHead, ResponseFraming, ResponseHead,
 };
 use crate::snapshot::{PeerRt, RouteRt, Snapshot};
@@ -1803,7 +1803,12 @@ fn client_head(
     // A 204 has no content and says no length (RFC 9110 §8.6) nor transfer coding (RFC
     // 9112 §6.1); the body is not read either way.
     let no_length = up.status == 204;
+    // Noted on the way: a lookup would compare every name again.
+    let mut dated = false;
     up.headers.write_lines(out, |name, _| {
+        if name.len() == 4 {
+            dated |= name_is(name, b"date");
+        }
         !(is_hop_by_hop(name)
             // The framing headers are not the peer's to drop by listing them in
             // `Connection`: a passed-through body keeps the framing it came with, or the
@@ -1819,7 +1824,7 @@ fn client_head(
     });
     // RFC 9110 §6.6.1: a recipient with a clock that forwards a response without `Date`
     // adds one, the time it was received.
-    if !up.headers.any_known(&[Known::DATE]) {
+    if !dated {
         push_date_header(out);
     }
     push_routed_headers(out, routing, routed);
