@@ -1256,7 +1256,9 @@ fn a_response_without_date_gets_one_and_a_peer_date_is_kept() {
     let dated =
         b"HTTP/1.1 200 OK\r\ndate: Sun, 06 Nov 1994 08:49:37 GMT\r\nContent-Length: 2\r\n\r\nok"
             .to_vec();
-    for (wire, own) in [(undated, false), (dated, true)] {
+    // A `Date` the peer's `Connection` lists is dropped as hop-by-hop, and replaced.
+    let listed = b"HTTP/1.1 200 OK\r\nConnection: Date\r\nDate: Sun, 06 Nov 1994 08:49:37 GMT\r\nContent-Length: 2\r\n\r\nok".to_vec();
+    for (wire, own) in [(undated, false), (dated, true), (listed, false)] {
         let b = raw_backend(vec![wire], usize::MAX);
         let env = start(&[("r", route_for(&[b.addr], ""))], "");
         let r = request(env.public(), &get("/r/x"));

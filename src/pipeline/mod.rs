@@ -1803,13 +1803,10 @@ fn client_head(
     // A 204 has no content and says no length (RFC 9110 §8.6) nor transfer coding (RFC
     // 9112 §6.1); the body is not read either way.
     let no_length = up.status == 204;
-    // Noted on the way: a lookup would compare every name again.
+    // Whether a `Date` goes out, noted on the way: a lookup would compare every name again.
     let mut dated = false;
     up.headers.write_lines(out, |name, _| {
-        if name.len() == 4 {
-            dated |= name_is(name, b"date");
-        }
-        !(is_hop_by_hop(name)
+        let keep = !(is_hop_by_hop(name)
             // The framing headers are not the peer's to drop by listing them in
             // `Connection`: a passed-through body keeps the framing it came with, or the
             // client could not tell where it ends.
@@ -1820,7 +1817,11 @@ fn client_head(
             || ((chunked_peer || no_length) && name_is(name, b"content-length"))
             || (no_length && name_is(name, b"transfer-encoding"))
             // A peer's own routing headers never reach the client: ours describe this hop.
-            || (name.len() > 9 && name_is(&name[..9], b"x-routed-")))
+            || (name.len() > 9 && name_is(&name[..9], b"x-routed-")));
+        if keep && name.len() == 4 {
+            dated |= name_is(name, b"date");
+        }
+        keep
     });
     // RFC 9110 §6.6.1: a recipient with a clock that forwards a response without `Date`
     // adds one, the time it was received.
