@@ -1343,3 +1343,48 @@ fn an_interim_head_is_relayed_without_hop_by_hop_headers_and_with_crlf() {
     c.read_exact(&mut got).unwrap();
     assert_eq!(String::from_utf8_lossy(&got), String::from_utf8_lossy(want));
 }
+
+/// A length the peer said twice (two equal lines, or `2, 2` on one) reaches the client once,
+/// as one value; a strict client may refuse the repeat. And no `Transfer-Encoding` goes to
+/// an HTTP/1.0 client (RFC 9112 §6.1), also on a HEAD answer, which carries no body to
+/// decode; an HTTP/1.1 client still gets it (the control).
+#[test]
+fn a_repeated_length_goes_out_once_and_no_coding_reaches_an_http10_client() {
+    let lengths = |r: &Resp| -> Vec<String> {
+        r.headers
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case("content-length"))
+            .map(|(_, v)| v.clone())
+            .collect()
+    };
+    for wire in [
+        &b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-A: 1\r\nContent-Length: 2\r\n\r\nok"[..],
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\nok",
+    ] {
+        let b = raw_backend(vec![wire.to_vec()], usize::MAX);
+        let env = start(&[("r", route_for(&[b.addr], ""))], "");
+        let c = connect(env.public());
+        let mut r = BufReader::new(c.try_clone().unwrap());
+        let mut c = c;
+        for round in 0..2 {
+            c.write_all(&get("/r/x")).unwrap();
+            let resp = read_response(&mut r, false).unwrap();
+            assert_eq!((resp.status, resp.text().as_str()), (200, "ok"), "{round}");
+            assert_eq!(lengths(&resp), ["2"], "{:?}", resp.headers);
+        }
+    }
+    let b = raw_backend(
+        vec![b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\n\r\n".to_vec()],
+        usize::MAX,
+    );
+    let env = start(&[("r", route_for(&[b.addr], ""))], "");
+    for (version, coding) in [("1.1", Some("chunked")), ("1.0", None)] {
+        let raw = format!("HEAD /r/x HTTP/{version}\r\nHost: t\r\n\r\n");
+        let mut r = BufReader::new(connect(env.public()));
+        r.get_mut().write_all(raw.as_bytes()).unwrap();
+        let resp = read_response(&mut r, true).unwrap();
+        assert_eq!(resp.status, 200);
+        assert_eq!(resp.header("x-a"), Some("1"), "HTTP/{version}");
+        assert_eq!(resp.header("transfer-encoding"), coding, "HTTP/{version}");
+    }
+}

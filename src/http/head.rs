@@ -304,6 +304,11 @@ impl Headers {
         }
     }
 
+    /// Whether a known header occurs more than once: one test of the index.
+    pub fn repeated(&self, k: Known) -> bool {
+        self.repeated & k.bit() != 0
+    }
+
     /// Whether any of `ks` is present: one test of the index, nothing compared.
     pub fn any_known(&self, ks: &[Known]) -> bool {
         let mask = ks.iter().fold(0u16, |m, k| m | k.bit());

@@ -35,7 +35,7 @@ use crate::control::{
     latency::{self, Signal},
 };
 use crate::http::{
-    is_hop_by_hop, name_is, push_date_header, push_decimal, status_reason, write_header,
+    is_hop_by_hop, name_is, push_date_header, push_decimal, status_reason, write_header, Known,
     RequestHead, ResponseFraming, ResponseHead,
 };
 use crate::snapshot::{PeerRt, RouteRt, Snapshot};
@@ -1803,6 +1803,22 @@ fn client_head(
     // A 204 has no content and says no length (RFC 9110 §8.6) nor transfer coding (RFC
     // 9112 §6.1); the body is not read either way.
     let no_length = up.status == 204;
+    // RFC 9112 §6.1: no `Transfer-Encoding` to an HTTP/1.0 client. A body it gets is
+    // decoded (re-framed); one it does not get (HEAD, 304) loses the header here.
+    let no_coding = no_length || (req.minor_version == 0 && up.framing == ResponseFraming::None);
+    // A length the peer said twice (two lines, or `5, 5`; differing ones are refused) goes
+    // out once, as one value.
+    let length_again = match up.framing {
+        ResponseFraming::Length(n) if !reframed => {
+            let listed_twice = up.headers.repeated(Known::CONTENT_LENGTH)
+                || up
+                    .headers
+                    .get_known(Known::CONTENT_LENGTH)
+                    .is_some_and(|v| v.contains(&b','));
+            listed_twice.then_some(n)
+        }
+        _ => None,
+    };
     // Whether a `Date` goes out, noted on the way: a lookup would compare every name again.
     let mut dated = false;
     up.headers.write_lines(out, |name, _| {
@@ -1814,8 +1830,9 @@ fn client_head(
             // Re-framed bodies carry our framing, not the peer's.
             || (reframed
                 && (name_is(name, b"transfer-encoding") || name_is(name, b"content-length")))
-            || ((chunked_peer || no_length) && name_is(name, b"content-length"))
-            || (no_length && name_is(name, b"transfer-encoding"))
+            || ((chunked_peer || no_length || length_again.is_some())
+                && name_is(name, b"content-length"))
+            || (no_coding && name_is(name, b"transfer-encoding"))
             // A peer's own routing headers never reach the client: ours describe this hop.
             || (name.len() > 9 && name_is(&name[..9], b"x-routed-")));
         if keep && name.len() == 4 {
@@ -1827,6 +1844,11 @@ fn client_head(
     // adds one, the time it was received.
     if !dated {
         push_date_header(out);
+    }
+    if let Some(n) = length_again {
+        out.extend_from_slice(b"Content-Length: ");
+        push_decimal(out, n);
+        out.extend_from_slice(b"\r\n");
     }
     push_routed_headers(out, routing, routed);
     if client == ClientFraming::Chunked {
