@@ -304,11 +304,6 @@ impl Headers {
         }
     }
 
-    /// Whether a known header occurs more than once: one test of the index.
-    pub fn repeated(&self, k: Known) -> bool {
-        self.repeated & k.bit() != 0
-    }
-
     /// Whether any of `ks` is present: one test of the index, nothing compared.
     pub fn any_known(&self, ks: &[Known]) -> bool {
         let mask = ks.iter().fold(0u16, |m, k| m | k.bit());
@@ -515,7 +510,9 @@ fn offset_in(raw: &[u8], s: &str) -> [u32; 2] {
 }
 
 /// Parse `Content-Length` values: all must be plain digits and agree.
-fn content_length(headers: &Headers) -> Result<Option<u64>, HeadError> {
+/// `restated` is set when the length is said more than once (equal values on two lines, or
+/// a list such as `5, 5`), so a forwarder can say it once.
+fn content_length(headers: &Headers, restated: &mut bool) -> Result<Option<u64>, HeadError> {
     let mut found: Option<u64> = None;
     // At most 19 digits: below u64::MAX, so no overflow.
     let mut agree = |part: &[u8]| {
@@ -524,7 +521,11 @@ fn content_length(headers: &Headers) -> Result<Option<u64>, HeadError> {
             Some(prev) if prev != n => {
                 Err(HeadError::BadFraming("conflicting Content-Length headers"))
             }
-            _ => Ok(()),
+            Some(_) => {
+                *restated = true;
+                Ok(())
+            }
+            None => Ok(()),
         }
     };
     let plain = |part: &[u8]| (1..=19).contains(&part.len()) && part.iter().all(u8::is_ascii_digit);
@@ -755,7 +756,7 @@ pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
             return Err(HeadError::Malformed("invalid Host header"));
         }
     }
-    let cl = content_length(&headers)?;
+    let cl = content_length(&headers, &mut false)?;
     let te = transfer_encoding(&headers);
     let body = match (te, cl) {
         (Some(_), Some(_)) => {
@@ -817,6 +818,8 @@ pub struct ResponseHead {
     pub framing: ResponseFraming,
     /// The connection may carry another request after this response.
     pub reusable: bool,
+    /// `Content-Length` was said more than once (two equal lines, or `5, 5`).
+    pub length_restated: bool,
 }
 
 impl ResponseHead {
@@ -865,7 +868,8 @@ pub fn parse_response(
     let reason = res.reason.map_or([0, 0], |r| offset_in(raw, r));
     let headers = Headers::from_parsed(raw, res.headers);
     let te = transfer_encoding(&headers);
-    let cl = content_length(&headers);
+    let mut length_restated = false;
+    let cl = content_length(&headers, &mut length_restated);
     let mut reusable = if minor == 0 {
         headers.connection_keep_alive()
     } else {
@@ -905,6 +909,7 @@ pub fn parse_response(
             reason,
             framing,
             reusable,
+            length_restated,
         },
         len,
     ))

@@ -35,7 +35,7 @@ use crate::control::{
     latency::{self, Signal},
 };
 use crate::http::{
-    is_hop_by_hop, name_is, push_date_header, push_decimal, status_reason, write_header, Known,
+    is_hop_by_hop, name_is, push_date_header, push_decimal, status_reason, write_header,
     RequestHead, ResponseFraming, ResponseHead,
 };
 use crate::snapshot::{PeerRt, RouteRt, Snapshot};
@@ -1809,16 +1809,10 @@ fn client_head(
     // A length the peer said twice (two lines, or `5, 5`; differing ones are refused) goes
     // out once, as one value.
     let length_again = match up.framing {
-        ResponseFraming::Length(n) if !reframed => {
-            let listed_twice = up.headers.repeated(Known::CONTENT_LENGTH)
-                || up
-                    .headers
-                    .get_known(Known::CONTENT_LENGTH)
-                    .is_some_and(|v| v.contains(&b','));
-            listed_twice.then_some(n)
-        }
+        ResponseFraming::Length(n) if up.length_restated && !reframed => Some(n),
         _ => None,
     };
+    let drop_length = chunked_peer || no_length || length_again.is_some();
     // Whether a `Date` goes out, noted on the way: a lookup would compare every name again.
     let mut dated = false;
     up.headers.write_lines(out, |name, _| {
@@ -1830,8 +1824,7 @@ fn client_head(
             // Re-framed bodies carry our framing, not the peer's.
             || (reframed
                 && (name_is(name, b"transfer-encoding") || name_is(name, b"content-length")))
-            || ((chunked_peer || no_length || length_again.is_some())
-                && name_is(name, b"content-length"))
+            || (drop_length && name_is(name, b"content-length"))
             || (no_coding && name_is(name, b"transfer-encoding"))
             // A peer's own routing headers never reach the client: ours describe this hop.
             || (name.len() > 9 && name_is(&name[..9], b"x-routed-")));
