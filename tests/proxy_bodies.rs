@@ -298,7 +298,7 @@ fn upstream_api_key_replaces_the_clients_credentials() {
         "",
     );
     let echo = |route: &str| {
-        let raw = format!("GET /{route}/v1/x HTTP/1.1\r\nHost: t\r\nx-mock-echo: 1\r\nAuthorization: Bearer client-key\r\nx-api-key: client-key\r\n\r\n");
+        let raw = format!("GET /{route}/v1/x HTTP/1.1\r\nHost: t\r\nx-mock-echo: 1\r\nAuthorization: Bearer client-key\r\nx-api-key: client-key\r\nX_Api_Key: client-key\r\n\r\n");
         let r = request(env.public(), raw.as_bytes());
         let headers: Vec<(String, String)> =
             serde_json::from_str(r.header("x-mock-echo-headers").unwrap()).unwrap();
@@ -315,12 +315,14 @@ fn upstream_api_key_replaces_the_clients_credentials() {
         ["Bearer backend-key"],
         "exactly one Authorization, the route's"
     );
+    // Nor by another spelling, which a CGI- or WSGI-style peer reads as `X-Api-Key`.
     assert!(!swapped
         .iter()
-        .any(|(k, _)| k.eq_ignore_ascii_case("x-api-key")));
+        .any(|(k, _)| k.eq_ignore_ascii_case("x-api-key") || k.eq_ignore_ascii_case("x_api_key")));
     // The control: without the option the client's credentials pass through.
     let plain = echo("plain");
     assert!(plain
         .iter()
         .any(|(k, v)| k.eq_ignore_ascii_case("authorization") && v == "Bearer client-key"));
+    assert!(plain.iter().any(|(k, _)| k == "X_Api_Key"));
 }

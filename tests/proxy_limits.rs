@@ -716,5 +716,12 @@ fn a_later_http1_minor_version_is_served_as_http11() {
     std::thread::sleep(std::time::Duration::from_millis(50));
     let got = exchange(&mut r, b, false);
     assert_eq!(got.status, 200, "in pieces: {}", got.text());
-    assert_eq!(m.stats().http_requests, 4, "every request reached the peer");
+    // Two in one write: each is read, and answered in order.
+    let two = req("1.2").repeat(2);
+    r.get_mut().write_all(two.as_bytes()).unwrap();
+    for i in 0..2 {
+        let got = read_response(&mut r, false).unwrap();
+        assert_eq!(got.status, 200, "pipelined {i}: {}", got.text());
+    }
+    assert_eq!(m.stats().http_requests, 6, "every request reached the peer");
 }

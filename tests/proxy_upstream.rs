@@ -1373,18 +1373,38 @@ fn a_repeated_length_goes_out_once_and_no_coding_reaches_an_http10_client() {
             assert_eq!(lengths(&resp), ["2"], "{:?}", resp.headers);
         }
     }
+    // A HEAD answer says the length a GET would get: once too.
     let b = raw_backend(
-        vec![b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\n\r\n".to_vec()],
+        vec![b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\n".to_vec()],
         usize::MAX,
     );
     let env = start(&[("r", route_for(&[b.addr], ""))], "");
-    for (version, coding) in [("1.1", Some("chunked")), ("1.0", None)] {
-        let raw = format!("HEAD /r/x HTTP/{version}\r\nHost: t\r\n\r\n");
-        let mut r = BufReader::new(connect(env.public()));
-        r.get_mut().write_all(raw.as_bytes()).unwrap();
-        let resp = read_response(&mut r, true).unwrap();
-        assert_eq!(resp.status, 200);
-        assert_eq!(resp.header("x-a"), Some("1"), "HTTP/{version}");
-        assert_eq!(resp.header("transfer-encoding"), coding, "HTTP/{version}");
+    let mut r = BufReader::new(connect(env.public()));
+    r.get_mut()
+        .write_all(b"HEAD /r/x HTTP/1.1\r\nHost: t\r\n\r\n")
+        .unwrap();
+    let resp = read_response(&mut r, true).unwrap();
+    assert_eq!(lengths(&resp), ["2"], "HEAD: {:?}", resp.headers);
+    for (status, method) in [("200 OK", "HEAD"), ("304 Not Modified", "GET")] {
+        let b = raw_backend(
+            vec![
+                format!("HTTP/1.1 {status}\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\n\r\n")
+                    .into_bytes(),
+            ],
+            usize::MAX,
+        );
+        let env = start(&[("r", route_for(&[b.addr], ""))], "");
+        for (version, coding) in [("1.1", Some("chunked")), ("1.0", None)] {
+            let raw = format!("{method} /r/x HTTP/{version}\r\nHost: t\r\n\r\n");
+            let mut r = BufReader::new(connect(env.public()));
+            r.get_mut().write_all(raw.as_bytes()).unwrap();
+            let resp = read_response(&mut r, true).unwrap();
+            assert_eq!(resp.header("x-a"), Some("1"), "{status} HTTP/{version}");
+            assert_eq!(
+                resp.header("transfer-encoding"),
+                coding,
+                "{status} HTTP/{version}"
+            );
+        }
     }
 }

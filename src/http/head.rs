@@ -660,6 +660,12 @@ fn absolute_form_path(target: &str) -> Option<&str> {
 ///   `http/1.1`): 400.
 #[cold]
 fn version_error(buf: &[u8]) -> HeadError {
+    // httparse skips empty lines before a request line (RFC 9112 §2.2).
+    let skipped = buf
+        .iter()
+        .take_while(|&&b| b == b'\r' || b == b'\n')
+        .count();
+    let buf = &buf[skipped..];
     let line = buf.split(|&b| b == b'\n').next().unwrap_or_default();
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let mut parts = line.split(|&b| b == b' ');
@@ -671,7 +677,9 @@ fn version_error(buf: &[u8]) -> HeadError {
                 && minor.is_ascii_digit() =>
         {
             if major == b'1' && minor > b'1' {
-                HeadError::LaterMinor { at: line.len() - 1 }
+                HeadError::LaterMinor {
+                    at: skipped + line.len() - 1,
+                }
             } else {
                 HeadError::UnsupportedVersion
             }
@@ -818,8 +826,9 @@ pub struct ResponseHead {
     pub framing: ResponseFraming,
     /// The connection may carry another request after this response.
     pub reusable: bool,
-    /// `Content-Length` was said more than once (two equal lines, or `5, 5`).
-    pub length_restated: bool,
+    /// The length, when `Content-Length` said it more than once (two equal lines, or
+    /// `5, 5`), whatever the framing (a HEAD or 304 answer says it too).
+    pub restated_length: Option<u64>,
 }
 
 impl ResponseHead {
@@ -909,7 +918,7 @@ pub fn parse_response(
             reason,
             framing,
             reusable,
-            length_restated,
+            restated_length: cl.ok().flatten().filter(|_| length_restated),
         },
         len,
     ))
@@ -1338,6 +1347,12 @@ mod tests {
                 &whole[..cut]
             );
         }
+        // Empty lines before the request line are skipped, as httparse skips them.
+        let Ok(HeadParse::Complete(h, _)) = parse(b"\r\n\nGET /b HTTP/1.3\r\nHost: t\r\n\r\n")
+        else {
+            panic!("after empty lines")
+        };
+        assert_eq!((h.minor_version, h.path()), (1, "/b"));
         // Other major versions, and two-digit minors, are not read as HTTP/1.1.
         for (raw, want) in [
             ("GET / HTTP/2.0\r\nHost: t\r\n\r\n", 505),

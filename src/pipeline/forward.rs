@@ -51,12 +51,29 @@ const LONGEST_LOOKALIKE: usize = "proxy-authorization".len();
 #[cold]
 #[inline(never)]
 fn dashed_is_ours(name: &[u8]) -> bool {
+    with_dashes(name, |dashed| {
+        is_hop_by_hop(dashed) || replaced_by_proxy(dashed)
+    })
+}
+
+/// Whether `name` with its `_` read as `-` is `lower`.
+#[cold]
+#[inline(never)]
+fn dashed_is(name: &[u8], lower: &[u8]) -> bool {
+    with_dashes(name, |dashed| http::name_is(dashed, lower))
+}
+
+/// `f` of `name` with its `_` read as `-` (names up to [`LONGEST_LOOKALIKE`] bytes; longer
+/// ones are none of those names).
+fn with_dashes(name: &[u8], f: impl FnOnce(&[u8]) -> bool) -> bool {
     let mut buf = [0u8; LONGEST_LOOKALIKE];
-    let dashed = &mut buf[..name.len()];
+    let Some(dashed) = buf.get_mut(..name.len()) else {
+        return false;
+    };
     for (d, &s) in dashed.iter_mut().zip(name) {
         *d = if s == b'_' { b'-' } else { s };
     }
-    is_hop_by_hop(dashed) || replaced_by_proxy(dashed)
+    f(dashed)
 }
 
 /// The request for the peer, in one buffer: method, rewritten target, the client's
@@ -99,14 +116,19 @@ pub fn build_request(
             || (listed && head.headers.connection_lists(name))
             || underscored_lookalike(name)
             || (authorization.is_some()
-                && (http::name_is(name, b"authorization") || http::name_is(name, b"x-api-key")))
+                && (http::name_is(name, b"authorization")
+                    || http::name_is(name, b"x-api-key")
+                    // A client's key by another spelling would stand next to the route's.
+                    || (name.len() == 9 && name.contains(&b'_') && dashed_is(name, b"x-api-key"))))
             || encoding)
     });
     if asked_encoding {
         out.extend_from_slice(b"Accept-Encoding: identity\r\n");
     }
     // X-Forwarded-For: the client's chain, then the client's address. A chain the client
-    // lists in `Connection` is its own hop's, and is not passed on.
+    // lists in `Connection` is its own hop's, and is not passed on (RFC 9110 §7.6.1). A
+    // client can so drop the chain a proxy in front of it was given, which loses the
+    // addresses before it but lets it claim none.
     out.extend_from_slice(b"X-Forwarded-For: ");
     if !(listed && head.headers.connection_lists(b"x-forwarded-for")) {
         for v in head.headers.all_known(http::Known::X_FORWARDED_FOR) {

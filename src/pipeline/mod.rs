@@ -1807,10 +1807,11 @@ fn client_head(
     // decoded (re-framed); one it does not get (HEAD, 304) loses the header here.
     let no_coding = no_length || (req.minor_version == 0 && up.framing == ResponseFraming::None);
     // A length the peer said twice (two lines, or `5, 5`; differing ones are refused) goes
-    // out once, as one value.
-    let length_again = match up.framing {
-        ResponseFraming::Length(n) if up.length_restated && !reframed => Some(n),
-        _ => None,
+    // out once, as one value, unless the peer's length goes anyway.
+    let length_again = if reframed || chunked_peer || no_length {
+        None
+    } else {
+        up.restated_length
     };
     let drop_length = chunked_peer || no_length || length_again.is_some();
     // Whether a `Date` goes out, noted on the way: a lookup would compare every name again.
