@@ -225,12 +225,6 @@ fn garbage_bytes_never_take_the_process_down() {
     );
 }
 
-/// Send `raw` on `s` and read one response (`head`: the request was HEAD).
-fn exchange(r: &mut BufReader<std::net::TcpStream>, raw: &[u8], head: bool) -> Resp {
-    r.get_mut().write_all(raw).unwrap();
-    read_response(r, head).unwrap()
-}
-
 #[test]
 fn the_routers_own_answers_to_head_carry_no_body() {
     // A body after a HEAD answer is read by the client as the start of the next response:

@@ -169,6 +169,13 @@ pub fn connect(addr: SocketAddr) -> TcpStream {
     s
 }
 
+/// Send `raw` on the connection `r` reads and read one response (`head`: the request was
+/// HEAD), leaving the connection open for the next.
+pub fn exchange(r: &mut BufReader<TcpStream>, raw: &[u8], head: bool) -> Resp {
+    r.get_mut().write_all(raw).unwrap();
+    read_response(r, head).unwrap()
+}
+
 pub fn request(addr: SocketAddr, raw: &[u8]) -> Resp {
     try_request(addr, raw).unwrap_or_else(|e| panic!("request failed: {e}"))
 }
