@@ -871,6 +871,7 @@ fn a_head_timeout_is_logged_with_the_time_the_head_took() {
     };
     assert!((390.0..2000.0).contains(&total(408)), "{}", total(408));
     assert!(total(400) < 100.0, "{}", total(400));
+    let _ = std::fs::remove_file(&log);
 }
 
 /// A peer's EWMAs in `/metrics` expire with their route's `ttft_ttl` / `tps_ttl`, as
