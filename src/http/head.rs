@@ -731,7 +731,7 @@ pub fn parse_request(buf: &[u8]) -> Result<HeadParse<RequestHead>, HeadError> {
         return Err(HeadError::Malformed("malformed request line"));
     };
     // As nginx answers them, before their targets (`CONNECT host:443`) are judged.
-    if matches!(method.len(), 5 | 7) && matches!(method, "TRACE" | "CONNECT") {
+    if matches!(method, "TRACE" | "CONNECT") {
         return Err(HeadError::MethodNotAllowed);
     }
     // The absolute form (`GET http://host/route/v1/models`, as a client configured with

@@ -21,5 +21,6 @@ pub use head::{
     ResponseFraming, ResponseHead,
 };
 pub use write::{
-    is_hop_by_hop, name_is, push_date_header, push_decimal, status_reason, write_header,
+    is_framing, is_hop_by_hop, name_is, push_date_header, push_decimal, push_status_line,
+    status_reason, write_header,
 };

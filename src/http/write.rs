@@ -63,6 +63,28 @@ pub fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
     out.extend_from_slice(&digits[at..]);
 }
 
+/// `Content-Length` or `Transfer-Encoding`: the headers that delimit a body.
+pub fn is_framing(name: &[u8]) -> bool {
+    name_is(name, b"content-length") || name_is(name, b"transfer-encoding")
+}
+
+/// `HTTP/1.1 <status> <reason>\r\n` for a relayed head: the peer's reason, or the
+/// registry's when the peer sent none.
+pub fn push_status_line(out: &mut Vec<u8>, status: u16, reason: &str) {
+    out.extend_from_slice(b"HTTP/1.1 ");
+    push_decimal(out, u64::from(status));
+    out.push(b' ');
+    out.extend_from_slice(
+        if reason.is_empty() {
+            status_reason(status)
+        } else {
+            reason
+        }
+        .as_bytes(),
+    );
+    out.extend_from_slice(b"\r\n");
+}
+
 /// Reason phrase of `status`: the IANA registry's for every registered code (a reject rule
 /// may answer with any 4xx or 5xx, and a peer may send a bare status line), empty for an
 /// unregistered one (RFC 9112 §4: the reason phrase is optional; the line is then

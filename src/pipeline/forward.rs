@@ -484,26 +484,13 @@ async fn send_and_read_head(
 /// headers, with CRLF line ends. The hop-by-hop headers, those its `Connection` lists, any
 /// framing header (a 1xx has no body) and the peer's own `X-Routed-*` are the peer's hop's.
 fn push_interim_head(out: &mut Vec<u8>, h: &http::ResponseHead) {
-    out.extend_from_slice(b"HTTP/1.1 ");
-    http::push_decimal(out, u64::from(h.status));
-    out.push(b' ');
-    let reason = h.reason();
-    out.extend_from_slice(
-        if reason.is_empty() {
-            http::status_reason(h.status)
-        } else {
-            reason
-        }
-        .as_bytes(),
-    );
-    out.extend_from_slice(b"\r\n");
+    http::push_status_line(out, h.status, h.reason());
     let listed = h.headers.connection_names_headers();
     h.headers.write_lines(out, |name, _| {
         !(is_hop_by_hop(name)
             || (listed && h.headers.connection_lists(name))
-            || http::name_is(name, b"content-length")
-            || http::name_is(name, b"transfer-encoding")
-            || (name.len() > 9 && http::name_is(&name[..9], b"x-routed-")))
+            || http::is_framing(name)
+            || super::peer_routing_header(name))
     });
     out.extend_from_slice(b"\r\n");
 }

@@ -35,8 +35,8 @@ use crate::control::{
     latency::{self, Signal},
 };
 use crate::http::{
-    is_hop_by_hop, name_is, push_date_header, push_decimal, status_reason, write_header,
-    RequestHead, ResponseFraming, ResponseHead,
+    is_framing, is_hop_by_hop, name_is, push_date_header, push_decimal, push_status_line,
+    write_header, RequestHead, ResponseFraming, ResponseHead,
 };
 use crate::snapshot::{PeerRt, RouteRt, Snapshot};
 use crate::worker::{PortKind, WorkerCtx};
@@ -1781,19 +1781,7 @@ fn client_head(
     client: ClientFraming,
 ) {
     out.reserve(512 + up.headers.len() * 48);
-    out.extend_from_slice(b"HTTP/1.1 ");
-    push_decimal(out, u64::from(up.status));
-    out.push(b' ');
-    let reason = up.reason();
-    out.extend_from_slice(
-        if reason.is_empty() {
-            status_reason(up.status)
-        } else {
-            reason
-        }
-        .as_bytes(),
-    );
-    out.extend_from_slice(b"\r\n");
+    push_status_line(out, up.status, up.reason());
     let listed = up.headers.connection_names_headers();
     let reframed = client != ClientFraming::Passthrough;
     // A peer that sent `Content-Length` next to `Transfer-Encoding: chunked` is read as
@@ -1823,12 +1811,10 @@ fn client_head(
             // client could not tell where it ends.
             || (listed && up.headers.connection_lists(name) && !is_framing(name))
             // Re-framed bodies carry our framing, not the peer's.
-            || (reframed
-                && (name_is(name, b"transfer-encoding") || name_is(name, b"content-length")))
+            || (reframed && is_framing(name))
             || (drop_length && name_is(name, b"content-length"))
             || (no_coding && name_is(name, b"transfer-encoding"))
-            // A peer's own routing headers never reach the client: ours describe this hop.
-            || (name.len() > 9 && name_is(&name[..9], b"x-routed-")));
+            || peer_routing_header(name));
         if keep && name.len() == 4 {
             dated |= name_is(name, b"date");
         }
@@ -1856,9 +1842,10 @@ fn client_head(
     out.extend_from_slice(b"\r\n");
 }
 
-/// `Content-Length` or `Transfer-Encoding`.
-fn is_framing(name: &[u8]) -> bool {
-    name_is(name, b"content-length") || name_is(name, b"transfer-encoding")
+/// An `X-Routed-*` header from a peer: it never reaches the client, whose routing headers
+/// describe this hop.
+fn peer_routing_header(name: &[u8]) -> bool {
+    name.len() > 9 && name_is(&name[..9], b"x-routed-")
 }
 
 /// One access-log line's inputs.
