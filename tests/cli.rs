@@ -63,11 +63,7 @@ impl Proc {
             Duration::from_secs(5),
             "one routes digest on every row",
             || {
-                let g: Vec<String> = status_workers(&self.shm)
-                    .into_iter()
-                    .filter(|(p, alive, _)| *p == pid && *alive)
-                    .map(|(_, _, digest)| digest)
-                    .collect();
+                let g = live_digests(&self.shm, &pid);
                 one = g.first().cloned().unwrap_or_default();
                 !g.is_empty() && one.len() == 16 && g.iter().all(|d| *d == one)
             },
@@ -1022,6 +1018,15 @@ fn status_workers(shm: &Path) -> Vec<(String, bool, String)> {
         .collect()
 }
 
+/// The routes digests of the live worker rows of process `pid` in `warmroute status`.
+fn live_digests(shm: &Path, pid: &str) -> Vec<String> {
+    status_workers(shm)
+        .into_iter()
+        .filter(|(p, alive, _)| p == pid && *alive)
+        .map(|(_, _, digest)| digest)
+        .collect()
+}
+
 /// A router draining after a takeover that changed the routes publishes no routes digest,
 /// so the new router's check for joined routers with other routes does not count it (a
 /// stream may keep it draining for minutes). `warmroute status` shows each row's digest.
@@ -1029,13 +1034,7 @@ fn status_workers(shm: &Path) -> Vec<(String, bool, String)> {
 fn a_draining_router_publishes_no_routes_digest() {
     let (d, m, old, _s) = serve_holding_one("drain-digest", 20_000);
     let old_pid = old.child.id().to_string();
-    let digests_of = |pid: &str| -> Vec<String> {
-        status_workers(&old.shm)
-            .into_iter()
-            .filter(|(p, alive, _)| p == pid && *alive)
-            .map(|(_, _, digest)| digest)
-            .collect()
-    };
+    let digests_of = |pid: &str| live_digests(&old.shm, pid);
     // The control: a serving router's rows carry its digest.
     let before = digests_of(&old_pid);
     assert!(!before.is_empty(), "the old router's rows");
