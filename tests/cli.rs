@@ -53,22 +53,27 @@ impl Proc {
             .unwrap();
         assert!(ok.success());
     }
-    /// The routes digest every worker of this router publishes, once they all publish the
-    /// same one (`warmroute status`). A worker writes its digest after it has taken a
-    /// snapshot, so a new value on every row means every worker serves the new routes.
+    /// The routes digest every live worker row of this router publishes in `warmroute
+    /// status`, when they all publish the same one. A worker writes its digest after it
+    /// has taken a snapshot, so a new value on every row means every worker serves the new
+    /// routes.
+    fn one_routes_digest(&self) -> Option<String> {
+        let g = live_digests(&self.shm, &self.child.id().to_string());
+        let one = g.first()?;
+        (one.len() == 16 && g.iter().all(|d| d == one)).then(|| one.clone())
+    }
+    /// [`Proc::one_routes_digest`], once the rows agree.
     fn routes_digest(&self) -> String {
-        let pid = self.child.id().to_string();
-        let mut one = String::new();
+        let mut one = None;
         eventually(
             Duration::from_secs(5),
             "one routes digest on every row",
             || {
-                let g = live_digests(&self.shm, &pid);
-                one = g.first().cloned().unwrap_or_default();
-                !g.is_empty() && one.len() == 16 && g.iter().all(|d| *d == one)
+                one = self.one_routes_digest();
+                one.is_some()
             },
         );
-        one
+        one.unwrap()
     }
     /// Wait until every worker serves routes other than those of the digest `before`
     /// (a reload is taken by each worker on its next tick, not all at once).
@@ -76,7 +81,7 @@ impl Proc {
         eventually(
             Duration::from_secs(10),
             "every worker on the new routes",
-            || self.routes_digest() != before,
+            || self.one_routes_digest().is_some_and(|d| d != before),
         );
     }
     fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
