@@ -39,35 +39,29 @@ pub fn render(path: &Path, config: Option<&Config>) -> std::io::Result<Status> {
         caps.peers,
         caps.routes
     );
-    let workers = seg.workers();
-    let running = workers.iter().any(|(_, pid, _, _)| pid_alive(*pid));
-    // Each row's core and the digest of its process's routes and peers: joined routers
-    // that serve other routes show another digest; a draining router, and a router from
-    // before these fields, show "-".
-    let details: HashMap<u32, (Option<usize>, u64)> = seg
-        .beating_rows(now, u64::MAX)
-        .into_iter()
-        .map(|(id, core, digest)| (id.0, (core, digest)))
-        .collect();
+    // One read of the rows. Each row's core and the digest of its process's routes and
+    // peers: joined routers that serve other routes show another digest; a draining
+    // router, and a router from before these fields, show "-".
+    let workers = seg.worker_infos();
+    let running = workers.iter().any(|w| pid_alive(w.pid));
     let _ = writeln!(
         out,
         "\nWORKER  PID       TAG  ALIVE  HEARTBEAT_AGE_MS  CORE  ROUTES"
     );
-    for (id, pid, tag, hb) in &workers {
-        let (core, digest) = details.get(&id.0).copied().unwrap_or((None, 0));
+    for w in &workers {
         let _ = writeln!(
             out,
             "{:<7} {:<9} {:<4} {:<6} {:<17} {:<5} {}",
-            id.0,
-            pid,
-            tag,
-            if pid_alive(*pid) { "yes" } else { "no" },
-            now.saturating_sub(*hb),
-            core.map_or_else(|| "-".to_string(), |c| c.to_string()),
-            if digest == 0 {
+            w.id.0,
+            w.pid,
+            w.tag,
+            if pid_alive(w.pid) { "yes" } else { "no" },
+            now.saturating_sub(w.heartbeat_ms),
+            w.core.map_or_else(|| "-".to_string(), |c| c.to_string()),
+            if w.routes_digest == 0 {
                 "-".to_string()
             } else {
-                format!("{digest:016x}")
+                format!("{:016x}", w.routes_digest)
             }
         );
     }

@@ -98,6 +98,21 @@ impl Default for Capacities {
 /// A claimed worker row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct WorkerId(pub u32);
+
+/// A worker row with an owner, as [`Segment::worker_infos`] reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerInfo {
+    pub id: WorkerId,
+    pub pid: u32,
+    /// The tag the owner claimed the row with (its worker index).
+    pub tag: u32,
+    pub heartbeat_ms: u64,
+    /// The core the worker is pinned to; `None` when not pinned or not said.
+    pub core: Option<usize>,
+    /// The digest of the routes the worker serves; 0 when draining or not said.
+    pub routes_digest: u64,
+}
+
 /// A peer slot (stable for a key).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PeerSlot(pub u32);
@@ -984,37 +999,44 @@ impl Segment {
             .collect()
     }
 
+    /// Every row with an owner, read once: its pid, tag, last heartbeat, pinned core and
+    /// routes digest.
+    pub fn worker_infos(&self) -> Vec<WorkerInfo> {
+        self.live_rows()
+            .filter_map(|(i, r)| {
+                let pid = owner(r.pid.load(Ordering::Acquire))?;
+                Some(WorkerInfo {
+                    id: WorkerId(i as u32),
+                    pid,
+                    tag: r.tag.load(Ordering::Relaxed),
+                    heartbeat_ms: r.heartbeat_ms.load(Ordering::Relaxed),
+                    core: r
+                        .core
+                        .load(Ordering::Relaxed)
+                        .checked_sub(1)
+                        .map(|c| c as usize),
+                    routes_digest: r.routes_digest.load(Ordering::Relaxed),
+                })
+            })
+            .collect()
+    }
+
     /// The rows with an owner that has beaten within `quiet_ms` before `now_ms` (a live
     /// router beats every few tens of milliseconds; a row just claimed counts from its
     /// claim): `(id, pinned core, routes digest)`, the core `None` when not said.
     pub fn beating_rows(&self, now_ms: u64, quiet_ms: u64) -> Vec<(WorkerId, Option<usize>, u64)> {
-        self.live_rows()
-            .filter(|(_, r)| {
-                now_ms.saturating_sub(r.heartbeat_ms.load(Ordering::Relaxed)) < quiet_ms
-            })
-            .map(|(i, r)| {
-                let core = r.core.load(Ordering::Relaxed).checked_sub(1);
-                (
-                    WorkerId(i as u32),
-                    core.map(|c| c as usize),
-                    r.routes_digest.load(Ordering::Relaxed),
-                )
-            })
+        self.worker_infos()
+            .into_iter()
+            .filter(|w| now_ms.saturating_sub(w.heartbeat_ms) < quiet_ms)
+            .map(|w| (w.id, w.core, w.routes_digest))
             .collect()
     }
 
     /// `(id, pid, tag, last heartbeat ms)` of rows with an owner.
     pub fn workers(&self) -> Vec<(WorkerId, u32, u32, u64)> {
-        self.live_rows()
-            .filter_map(|(i, r)| {
-                let pid = owner(r.pid.load(Ordering::Acquire))?;
-                Some((
-                    WorkerId(i as u32),
-                    pid,
-                    r.tag.load(Ordering::Relaxed),
-                    r.heartbeat_ms.load(Ordering::Relaxed),
-                ))
-            })
+        self.worker_infos()
+            .into_iter()
+            .map(|w| (w.id, w.pid, w.tag, w.heartbeat_ms))
             .collect()
     }
 

@@ -1295,6 +1295,37 @@ fn beating_rows_report_core_and_routes_digest_and_leave_out_quiet_rows() {
 }
 
 #[test]
+fn worker_infos_read_every_owned_row_whole_quiet_or_not() {
+    let t = TempPath::new("infos");
+    let s = Segment::open_or_create(&t.0, small()).unwrap();
+    let a = s.claim_worker(me(), 0).unwrap();
+    let b = s.claim_worker(me(), 1).unwrap();
+    s.set_worker_core(a, Some(3));
+    s.set_worker_routes_digest(a, 42);
+    s.heartbeat(a, 1_000);
+    s.heartbeat(b, 2_000);
+    let info = |id, tag, heartbeat_ms, core, routes_digest| WorkerInfo {
+        id,
+        pid: me(),
+        tag,
+        heartbeat_ms,
+        core,
+        routes_digest,
+    };
+    // Both rows with every field, however long ago they beat (`beating_rows` leaves
+    // these out, `workers` gives the first four fields).
+    assert_eq!(
+        s.worker_infos(),
+        vec![info(a, 0, 1_000, Some(3), 42), info(b, 1, 2_000, None, 0)]
+    );
+    assert!(s.beating_rows(now_ms(), 2_000).is_empty());
+    assert_eq!(s.workers(), vec![(a, me(), 0, 1_000), (b, me(), 1, 2_000)]);
+    // A row given back is not read.
+    s.release_worker(a);
+    assert_eq!(s.worker_infos(), vec![info(b, 1, 2_000, None, 0)]);
+}
+
+#[test]
 fn remove_unused_keeps_a_segment_with_a_live_owner_and_removes_one_without() {
     let t = TempPath::new("remove");
     let s = Segment::open_or_create(&t.0, small()).unwrap();
