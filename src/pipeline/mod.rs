@@ -1281,11 +1281,7 @@ async fn proxy(
                 capture.as_mut(),
             )
             .await;
-            let end = match e {
-                ProxyError::ClientGone => relay::END_CLIENT_GONE,
-                ProxyError::ShuttingDown { .. } => relay::END_SHUTDOWN,
-                _ => relay::END_COMPLETE,
-            };
+            let end = refusal_end(&e);
             let stats = RelayStats {
                 body_bytes,
                 ..RelayStats::default()
@@ -1991,6 +1987,16 @@ impl<'a> Refused<'a> {
     }
 }
 
+/// The access line's `end` for a request the router answered itself: the client went away,
+/// the drain cut it, or the answer went out.
+fn refusal_end(e: &ProxyError) -> &'static str {
+    match e {
+        ProxyError::ClientGone => relay::END_CLIENT_GONE,
+        ProxyError::ShuttingDown { .. } => relay::END_SHUTDOWN,
+        _ => relay::END_COMPLETE,
+    }
+}
+
 /// `refuse`, and the request's access line.
 async fn refuse_logged(
     ctx: &WorkerCtx,
@@ -2015,11 +2021,7 @@ async fn refuse_logged(
         capture.as_mut(),
     )
     .await;
-    let end = match e {
-        ProxyError::ClientGone => relay::END_CLIENT_GONE,
-        ProxyError::ShuttingDown { .. } => relay::END_SHUTDOWN,
-        _ => relay::END_COMPLETE,
-    };
+    let end = refusal_end(e);
     let stats = RelayStats {
         body_bytes,
         ..RelayStats::default()
@@ -2044,9 +2046,7 @@ async fn refuse_logged(
 
 /// The access line of a request refused before its head could be used (malformed, too
 /// large, an unsupported transfer coding, or not complete in time): the same fields, with
-/// no method or path.
-/// The access line of a head refused before it could be parsed; `waited` is how long the
-/// head had been arriving.
+/// no method or path. `waited` is how long the head had been arriving.
 fn unparsed_access_log(ctx: &WorkerCtx, status: u16, response_bytes: u64, waited: Duration) {
     let mut log = ctx.access_log.borrow_mut();
     if !log.enabled() {
