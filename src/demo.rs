@@ -2,6 +2,7 @@
 //! with ready-to-paste curl lines. Needs no files.
 
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 
 use warmroute_mock::{MockConfig, MockServer};
 
@@ -18,6 +19,12 @@ pub fn demo_route(ports: &[u16]) -> String {
     }
     s.push_str("]\nhealth_check_interval = 5\n");
     s
+}
+
+/// The demo's shared segment for the public port `port`: its own name, so that a demo
+/// never opens the segment of a router serving on the same port.
+pub fn shm_path(port: u16) -> PathBuf {
+    PathBuf::from(format!("/dev/shm/warmroute-demo-{port}"))
 }
 
 pub struct Demo {
@@ -45,8 +52,8 @@ pub fn start(
     }
     let ports: Vec<u16> = mocks.iter().map(|m| m.addr().port()).collect();
     let server = format!(
-        "listen = \"{listen}\"\nadmin_listen = \"{admin}\"\nshm_path = \"/dev/shm/warmroute-demo-{}\"\napi_keys_file = \"\"\n",
-        listen.port()
+        "listen = \"{listen}\"\nadmin_listen = \"{admin}\"\nshm_path = \"{}\"\napi_keys_file = \"\"\n",
+        shm_path(listen.port()).display()
     );
     let source = ConfigSource::Embedded {
         server: Some(server),
@@ -56,9 +63,11 @@ pub fn start(
     Ok(Demo { mocks, router })
 }
 
-/// The curl lines printed by the demo.
-pub fn curl_lines(public: SocketAddr, admin: SocketAddr) -> String {
+/// The curl lines printed by the demo, and the `status` command that reads its segment
+/// (`exe`: this program, as it can be run again).
+pub fn curl_lines(public: SocketAddr, admin: SocketAddr, exe: &str, shm: &Path) -> String {
     let base = format!("http://{public}");
+    let shm = shm.display();
     format!(
         r#"warmroute demo is up: route "demo" → mock-a, mock-b, mock-c (in-process mock engines)
 
@@ -76,7 +85,10 @@ curl -s {base}/demo/_active_conns
 curl -s http://{admin}/healthz; echo
 curl -s http://{admin}/_routes
 
-Ctrl-C stops the demo.
+# workers, peers, in-flight counts and bans, read from the shared segment:
+{exe} status --shm {shm}
+
+Ctrl-C stops the demo (and removes its segment).
 "#
     )
 }

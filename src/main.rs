@@ -322,6 +322,16 @@ fn status(config: Option<PathBuf>, overrides: &Overrides) -> ExitCode {
         }
         Err(e) => {
             eprintln!("warmroute status: {}: {e}", path.display());
+            // A demo on the same port has a segment of its own.
+            let port = loaded.as_ref().map(|c| c.server.listen.port());
+            let demo = port.map(warmroute::demo::shm_path).filter(|d| d.exists());
+            if let (true, Some(d)) = (e.kind() == std::io::ErrorKind::NotFound, demo) {
+                eprintln!(
+                    "warmroute status: a `warmroute demo` serves on this port: \
+                     `warmroute status --shm {}` reads its segment",
+                    d.display()
+                );
+            }
             ExitCode::FAILURE
         }
     }
@@ -515,13 +525,25 @@ fn demo(overrides: Overrides) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let exe = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.to_str().map(str::to_string))
+        .unwrap_or_else(|| "warmroute".to_string());
+    let shm = d.router.shm_path().to_path_buf();
     outln!(
         "{}",
-        warmroute::demo::curl_lines(d.router.public_addr(), d.router.admin_addr())
+        warmroute::demo::curl_lines(d.router.public_addr(), d.router.admin_addr(), &exe, &shm)
     );
     let code = run_until_signalled(d.router, signals);
     for m in d.mocks {
         m.shutdown();
+    }
+    // The demo's own segment goes with it (one named with `--shm` stays, as `serve`'s
+    // does); a demo still running on it keeps it.
+    if shm == warmroute::demo::shm_path(listen.port()) {
+        if let Err(e) = warmroute_shm::Segment::remove_unused(&shm) {
+            eprintln!("warmroute demo: cannot remove {}: {e}", shm.display());
+        }
     }
     code
 }

@@ -515,6 +515,11 @@ impl Router {
         self.workers.shared.admin_addr
     }
 
+    /// The shared segment this router serves on (kept across reloads).
+    pub fn shm_path(&self) -> &std::path::Path {
+        &self.config.server.shm_path
+    }
+
     /// Re-read and validate everything; on any error keep the running config. Listener
     /// and segment settings need a restart (or a takeover) and are kept as they are.
     pub fn reload(&mut self) -> Result<(), Vec<ConfigError>> {

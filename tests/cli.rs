@@ -624,6 +624,110 @@ fn status_reads_the_segment_of_a_running_router() {
     );
 }
 
+/// `warmroute demo` as the README's first command runs it: the lines it prints work (a
+/// chat completion through the router, kept on its peer by session id; the `status`
+/// command it names), `status` by port points at the demo's segment, and Ctrl-C stops the
+/// demo and removes that segment.
+#[test]
+fn the_demo_serves_what_it_prints_and_takes_its_segment_with_it() {
+    let d = temp_dir("demo-cwd");
+    // The banner's lines, read on a thread so that a demo that prints nothing cannot
+    // block the test.
+    let (mut demo, banner) = (0..3)
+        .find_map(|_| {
+            let (p, a) = (free_port(), free_port());
+            let child = Command::new(BIN)
+                .args(["demo", "--listen", &format!("127.0.0.1:{p}")])
+                .args(["--admin-listen", &format!("127.0.0.1:{a}")])
+                .current_dir(&d.0)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            let mut demo = Proc {
+                public: format!("127.0.0.1:{p}").parse().unwrap(),
+                admin: format!("127.0.0.1:{a}").parse().unwrap(),
+                shm: PathBuf::from(format!("/dev/shm/warmroute-demo-{p}")),
+                child,
+            };
+            let out = demo.child.stdout.take().unwrap();
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                for line in BufReader::new(out).lines().map_while(Result::ok) {
+                    let _ = tx.send(line);
+                }
+            });
+            let mut banner = Vec::new();
+            // A demo that lost its port to another test exits: its stdout closes.
+            while let Ok(line) = rx.recv_timeout(Duration::from_secs(10)) {
+                let last = line.starts_with("Ctrl-C stops the demo");
+                banner.push(line);
+                if last {
+                    return Some((demo, banner));
+                }
+            }
+            None
+        })
+        .expect("the demo printed its lines (three tries)");
+    assert!(demo.shm.exists(), "the demo's segment {:?}", demo.shm);
+    // The chat line's request, with a session id: one peer for both turns.
+    let chat = |sid: &str| {
+        request(
+            demo.public,
+            &post_json(
+                "/demo/v1/chat/completions",
+                &chat_body("hi", false),
+                &format!("X-Session-Id: {sid}\r\n"),
+            ),
+        )
+    };
+    let first = chat("conv-1");
+    assert_eq!(
+        first.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&first.body)
+    );
+    let peer = first.header("x-routed-peer").unwrap().to_string();
+    assert!(peer.starts_with("mock-"), "{peer}");
+    assert_eq!(first.header("x-routed-mode"), Some("hash"));
+    assert_eq!(chat("conv-1").header("x-routed-peer"), Some(&*peer));
+    // The status line it printed, run as printed: the demo's workers and three peers.
+    let line = banner
+        .iter()
+        .find(|l| l.contains(" status --shm "))
+        .unwrap_or_else(|| panic!("no status line in:\n{}", banner.join("\n")));
+    let argv: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(argv[1..], ["status", "--shm", demo.shm.to_str().unwrap()]);
+    let out = Command::new(argv[0]).args(&argv[1..]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    let pid = demo.child.id().to_string();
+    assert!(
+        text.lines()
+            .any(|l| l.split_whitespace().nth(1) == Some(&*pid)),
+        "a worker row of the demo:\n{text}"
+    );
+    assert_eq!(text.matches("demo//127.0.0.1:").count(), 3, "{text}");
+    // `status` by port finds no router segment there, and names the demo's.
+    let out = Command::new(BIN)
+        .args(["status", "--listen", &demo.public.to_string()])
+        .current_dir(&d.0)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("warmroute status --shm {}", demo.shm.display())),
+        "{err}"
+    );
+    // Ctrl-C: a clean stop, and the segment goes with the demo.
+    demo.signal("INT");
+    let status = demo.wait_exit(Duration::from_secs(10)).expect("demo exits");
+    assert!(status.success(), "{status:?}");
+    assert!(!demo.shm.exists(), "the demo removed {:?}", demo.shm);
+}
+
 #[test]
 fn sighup_reloads_routes_and_keeps_the_old_config_on_errors() {
     let d = temp_dir("reload");
