@@ -1002,31 +1002,34 @@ impl Segment {
     /// Every row with an owner, read once: its pid, tag, last heartbeat, pinned core and
     /// routes digest.
     pub fn worker_infos(&self) -> Vec<WorkerInfo> {
-        self.live_rows()
-            .filter_map(|(i, r)| {
-                let pid = owner(r.pid.load(Ordering::Acquire))?;
-                Some(WorkerInfo {
-                    id: WorkerId(i as u32),
-                    pid,
-                    tag: r.tag.load(Ordering::Relaxed),
-                    heartbeat_ms: r.heartbeat_ms.load(Ordering::Relaxed),
-                    core: r
-                        .core
-                        .load(Ordering::Relaxed)
-                        .checked_sub(1)
-                        .map(|c| c as usize),
-                    routes_digest: r.routes_digest.load(Ordering::Relaxed),
-                })
+        self.infos().collect()
+    }
+
+    /// [`Segment::worker_infos`], row by row, for the views below to take what they need
+    /// without a list of their own in between.
+    fn infos(&self) -> impl Iterator<Item = WorkerInfo> + '_ {
+        self.live_rows().filter_map(|(i, r)| {
+            let pid = owner(r.pid.load(Ordering::Acquire))?;
+            Some(WorkerInfo {
+                id: WorkerId(i as u32),
+                pid,
+                tag: r.tag.load(Ordering::Relaxed),
+                heartbeat_ms: r.heartbeat_ms.load(Ordering::Relaxed),
+                core: r
+                    .core
+                    .load(Ordering::Relaxed)
+                    .checked_sub(1)
+                    .map(|c| c as usize),
+                routes_digest: r.routes_digest.load(Ordering::Relaxed),
             })
-            .collect()
+        })
     }
 
     /// The rows with an owner that has beaten within `quiet_ms` before `now_ms` (a live
     /// router beats every few tens of milliseconds; a row just claimed counts from its
     /// claim): `(id, pinned core, routes digest)`, the core `None` when not said.
     pub fn beating_rows(&self, now_ms: u64, quiet_ms: u64) -> Vec<(WorkerId, Option<usize>, u64)> {
-        self.worker_infos()
-            .into_iter()
+        self.infos()
             .filter(|w| now_ms.saturating_sub(w.heartbeat_ms) < quiet_ms)
             .map(|w| (w.id, w.core, w.routes_digest))
             .collect()
@@ -1034,8 +1037,7 @@ impl Segment {
 
     /// `(id, pid, tag, last heartbeat ms)` of rows with an owner.
     pub fn workers(&self) -> Vec<(WorkerId, u32, u32, u64)> {
-        self.worker_infos()
-            .into_iter()
+        self.infos()
             .map(|w| (w.id, w.pid, w.tag, w.heartbeat_ms))
             .collect()
     }
